@@ -1,0 +1,1 @@
+"""(exports are filled in at integration)"""

@@ -1,0 +1,101 @@
+"""Environment variables that select backends and sizes, read when accessed.
+
+``vllm_moe_fixes.envs.VLLM_USE_DEEP_GEMM`` reads the environment at that moment, so a test or an
+engine may change a variable between two reads. An unset (or empty) variable gives its default; a
+value that does not parse raises ``ValueError`` naming the variable, the value and what is allowed.
+
+Every variable is one ``EnvVar`` in ``REGISTRY``; the README's table and ``vllm-moe-fixes check``
+are generated from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+ALL2ALL_BACKENDS = ("naive", "deepep_high_throughput", "deepep_low_latency")
+
+_TRUE = ("1", "true")
+_FALSE = ("0", "false")
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; allowed: 0, 1, true, false (any case)")
+
+
+def _parse_positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; allowed: an integer > 0") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} is out of range; allowed: an integer > 0")
+    return value
+
+
+def _parse_backend(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ALL2ALL_BACKENDS:
+        raise ValueError(f"{name}={raw!r} is not a known backend; allowed: {', '.join(ALL2ALL_BACKENDS)}")
+    return value
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its name, how it parses, its default and a one-line help text."""
+
+    name: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    help: str
+    allowed: str
+
+    def read(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None or raw.strip() == "":
+            return self.default
+        return self.parse(self.name, raw)
+
+
+REGISTRY: dict[str, EnvVar] = {
+    var.name: var
+    for var in (
+        EnvVar("VLLM_ALL2ALL_BACKEND", _parse_backend, "naive",
+               "all-to-all used by the expert-parallel prepare/finalize; naive = torch.distributed",
+               " | ".join(ALL2ALL_BACKENDS)),
+        EnvVar("VLLM_USE_DEEP_GEMM", _parse_bool, False,
+               "experts call DeepGEMM's grouped FP8 GEMMs (error if requested and not importable)",
+               "0 | 1 | true | false"),
+        EnvVar("VLLM_RANDOMIZE_DP_DUMMY_INPUTS", _parse_bool, False,
+               "randomise the token ids of dummy/profile runs when DP > 1 (balanced expert load)",
+               "0 | 1 | true | false"),
+        EnvVar("VLLM_MOE_DP_CHUNK_SIZE", _parse_positive_int, 256,
+               "max tokens per rank per dispatch; sizes the low-latency DeepEP buffer",
+               "integer > 0"),
+        EnvVar("VLLM_DEEPEP_BUFFER_SIZE_MB", _parse_positive_int, 1024,
+               "DeepEP NVLink buffer size in MiB (high-throughput mode)",
+               "integer > 0"),
+    )
+}
+
+
+def __getattr__(name: str) -> Any:
+    var = REGISTRY.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.read()
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(REGISTRY))
+
+
+def current_values() -> dict[str, Any]:
+    """Return {name: effective value} for every registered variable (raises on a bad value)."""
+    return {name: var.read() for name, var in REGISTRY.items()}
