@@ -1,0 +1,93 @@
+import pytest
+
+from vllm_moe_fixes import envs
+
+DEFAULTS = {
+    "VLLM_ALL2ALL_BACKEND": "naive",
+    "VLLM_USE_DEEP_GEMM": False,
+    "VLLM_RANDOMIZE_DP_DUMMY_INPUTS": False,
+    "VLLM_MOE_DP_CHUNK_SIZE": 256,
+    "VLLM_DEEPEP_BUFFER_SIZE_MB": 1024,
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_registry_lists_exactly_the_documented_variables():
+    assert set(envs.REGISTRY) == set(DEFAULTS)
+    for var in envs.REGISTRY.values():
+        assert var.help and "\n" not in var.help and var.allowed
+
+
+@pytest.mark.parametrize("name,default", sorted(DEFAULTS.items()))
+def test_unset_or_empty_gives_default(monkeypatch, name, default):
+    assert getattr(envs, name) == default
+    monkeypatch.setenv(name, "  ")
+    assert getattr(envs, name) == default
+
+
+def test_current_values_reads_every_variable(monkeypatch):
+    monkeypatch.setenv("VLLM_MOE_DP_CHUNK_SIZE", "64")
+    assert envs.current_values() == {**DEFAULTS, "VLLM_MOE_DP_CHUNK_SIZE": 64}
+
+
+@pytest.mark.parametrize("name", ["VLLM_USE_DEEP_GEMM", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS"])
+@pytest.mark.parametrize("raw,value", [("1", True), ("0", False), ("true", True), ("FALSE", False),
+                                       ("True", True), (" 1 ", True)])
+def test_booleans(monkeypatch, name, raw, value):
+    monkeypatch.setenv(name, raw)
+    assert getattr(envs, name) is value
+
+
+@pytest.mark.parametrize("name", ["VLLM_USE_DEEP_GEMM", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS"])
+@pytest.mark.parametrize("raw", ["2", "yes", "on", "-1", "tru"])
+def test_bad_boolean_names_variable_value_and_allowed(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError) as err:
+        getattr(envs, name)
+    message = str(err.value)
+    assert name in message and repr(raw) in message and "true, false" in message
+
+
+def test_reads_the_environment_at_access_time(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")
+    assert envs.VLLM_USE_DEEP_GEMM is True
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")
+    assert envs.VLLM_USE_DEEP_GEMM is False
+
+
+@pytest.mark.parametrize("raw", ["naive", "deepep_high_throughput", "DeepEP_Low_Latency"])
+def test_backend_values(monkeypatch, raw):
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", raw)
+    assert envs.VLLM_ALL2ALL_BACKEND == raw.lower()
+
+
+def test_bad_backend(monkeypatch):
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "pplx")
+    with pytest.raises(ValueError, match=r"VLLM_ALL2ALL_BACKEND='pplx'.*naive, deepep_high_throughput, "
+                                         r"deepep_low_latency"):
+        envs.VLLM_ALL2ALL_BACKEND
+
+
+@pytest.mark.parametrize("name", ["VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB"])
+def test_positive_ints(monkeypatch, name):
+    monkeypatch.setenv(name, "512")
+    assert getattr(envs, name) == 512
+
+
+@pytest.mark.parametrize("name", ["VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB"])
+@pytest.mark.parametrize("raw", ["0", "-4", "1.5", "abc", "1e3"])
+def test_bad_ints(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError) as err:
+        getattr(envs, name)
+    assert name in str(err.value) and repr(raw) in str(err.value) and "integer > 0" in str(err.value)
+
+
+def test_unknown_attribute_is_attribute_error():
+    with pytest.raises(AttributeError):
+        envs.VLLM_NOT_A_VARIABLE
