@@ -1,0 +1,83 @@
+"""Shared helpers for the scripts in benchmarks/ (run them from the repo root, e.g.
+`python benchmarks/bench_quant.py`; each script puts the repo root on sys.path itself).
+
+API (keep it small):
+    bench_us(fn, arg_sets, warmup=25, rep=100) -> float
+        Median time of fn(*args) in microseconds (triton.testing.do_bench, return_mode="median",
+        which triton 3.6 and 3.9 both accept; do_bench also flushes L2 before every call).
+        fn is called with the argument tuples of `arg_sets` in rotation.
+    rotating(make, nbytes, budget=256 << 20, max_sets=16) -> list
+        [make(0), make(1), ...]: enough independent input sets (each of about `nbytes`) to
+        cover `budget` bytes, so small shapes are not timed from a warm L2 (H200 L2: 50 MB).
+    gbps(nbytes, us) -> float            bytes moved / time, in GB/s (1e9 bytes).
+    print_table(rows, columns) -> None   rows: list of dicts; columns: keys to print, in order.
+    write_json(name, payload) -> Path    benchmarks/results/<name>.json: payload plus
+                                         "environment" (GPU name, torch/triton versions, UTC date,
+                                         git commit when available).
+"""
+
+import datetime
+import itertools
+import json
+import math
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def bench_us(fn, arg_sets, warmup=25, rep=100) -> float:
+    cycle = itertools.cycle(arg_sets)
+    ms = triton.testing.do_bench(lambda: fn(*next(cycle)), warmup=warmup, rep=rep,
+                                 return_mode="median")
+    return ms * 1e3
+
+
+def rotating(make, nbytes, budget=256 << 20, max_sets=16) -> list:
+    n = max(1, min(max_sets, math.ceil(budget / max(nbytes, 1))))
+    return [make(i) for i in range(n)]
+
+
+def gbps(nbytes, us) -> float:
+    return nbytes / (us * 1e-6) / 1e9
+
+
+def print_table(rows, columns) -> None:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else (
+            f"{v:.1f}" if isinstance(v, float) else str(v))
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
+              for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def environment() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=RESULTS_DIR.parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
+    }
+
+
+def write_json(name, payload) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path

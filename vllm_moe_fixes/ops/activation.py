@@ -1,0 +1,81 @@
+"""silu_and_mul: the gated activation between the two expert GEMMs, x [..., 2N] -> [..., N].
+
+Kernel: one program per tile of BLOCK_M rows x BLOCK_N output channels, loading the gate half
+x[..., :N] and the up half x[..., N:], computing silu(gate) * up = gate / (1 + exp(-gate)) * up in
+float32 and storing in x's dtype. int64 offsets. Triton's exp is not torch's, so the result can
+differ from `silu_and_mul_ref` by one unit in the last place of the output dtype.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_moe_fixes.ops.fp8_quant import interpreting, round_to_bf16_grid
+from vllm_moe_fixes.ops.reference import silu_and_mul_ref
+
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, M, N, x_row_stride, out_row_stride,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    gate_ptr = x_ptr + rows[:, None] * x_row_stride + cols[None, :]
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + N, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    if ROUND_BF16:  # interpreter only: its bfloat16 cast truncates
+        y = round_to_bf16_grid(y)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int = 1,
+                        block_n: int | None = None, num_warps: int = 4) -> None:
+    """Launch on validated 2-D tensors: x [M, 2N], out [M, N], both with stride(1) == 1."""
+    M, N = out.shape
+    if M == 0 or N == 0:
+        return
+    block_n = block_n or min(1024, triton.next_power_of_2(N))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _silu_and_mul_kernel[grid](x, out, M, N, x.stride(0), out.stride(0),
+                               BLOCK_M=block_m, BLOCK_N=block_n,
+                               ROUND_BF16=interpreting() and out.dtype == torch.bfloat16,
+                               num_warps=num_warps)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU-gated product.
+
+    Arguments:
+        x: [..., 2N] bfloat16 / float16 / float32, last dimension contiguous.
+        out: optional [..., N] contiguous tensor of x's dtype and device; written and returned.
+
+    Returns:
+        out: [..., N] in x's dtype, silu(x[..., :N]) * x[..., N:] computed in float32.
+        CUDA tensors run the Triton kernel (int64 offsets), CPU tensors the torch reference.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in _SUPPORTED:
+        raise ValueError(f"x must be a bfloat16/float16/float32 tensor, got "
+                         f"{getattr(x, 'dtype', type(x))}")
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., 2N] with an even last dimension, got {tuple(x.shape)}")
+    if x.stride(-1) != 1 and x.numel() > 1:
+        raise ValueError(f"x's last dimension must be contiguous, got strides {tuple(x.stride())}")
+    shape = (*x.shape[:-1], x.shape[-1] // 2)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif not isinstance(out, torch.Tensor) or out.dtype != x.dtype:
+        raise ValueError(f"out must be a {x.dtype} tensor, got {getattr(out, 'dtype', out)}")
+    elif out.shape != shape or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {list(shape)} tensor on {x.device}, got "
+                         f"{tuple(out.shape)} on {out.device}")
+    if x.is_cuda:
+        silu_and_mul_triton(x.reshape(-1, x.shape[-1]), out.view(-1, shape[-1]))
+    else:
+        out.copy_(silu_and_mul_ref(x))
+    return out

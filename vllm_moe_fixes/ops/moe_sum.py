@@ -1,0 +1,96 @@
+"""moe_sum: reduce the top-k expert outputs of each token, x [M, topk, K] -> [M, K].
+
+Kernel design: one program owns a tile of BLOCK_M rows x BLOCK_K channels and adds the topk
+slices in index order with a float32 accumulator. TOPK is a compile-time constant and the loop is
+unrolled (tl.static_range), so all topk loads of a tile are issued before the first add: the kernel
+is purely memory bound and needs those bytes in flight. int64 offsets throughout. The float32 sums
+are taken in the same order as `moe_sum_ref`, so the results match it bit for bit.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_moe_fixes.ops.fp8_quant import interpreting, round_to_bf16_grid
+from vllm_moe_fixes.ops.reference import moe_sum_ref
+
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _moe_sum_kernel(
+    x_ptr, out_ptr, M, K,
+    x_stride_m, x_stride_t, x_stride_k, out_stride_m, out_stride_k,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    ptrs = x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_k
+    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for _ in tl.static_range(1, TOPK):
+        ptrs += x_stride_t  # pointer steps: no int32 product t * x_stride_t that could overflow
+        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ROUND_BF16:  # interpreter only: its bfloat16 cast truncates
+        acc = round_to_bf16_grid(acc)
+    tl.store(out_ptr + rows[:, None] * out_stride_m + cols[None, :] * out_stride_k,
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def default_moe_sum_config(num_rows: int, K: int) -> dict:
+    """Default launch config: 1 row x up to 1024 channels per program (7168 = 7 x 1024), 4 warps
+    (8 bf16 = 16 bytes per thread per top-k slice)."""
+    return {"block_m": 1, "block_k": min(1024, triton.next_power_of_2(K)), "num_warps": 4}
+
+
+def moe_sum_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int | None = None,
+                   block_k: int | None = None, num_warps: int | None = None) -> None:
+    """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    x: [M, topk, K], any strides; out: [M, K] of x's dtype, any strides (written). block_m and
+    block_k (powers of two) and num_warps override `default_moe_sum_config`.
+    """
+    M, topk, K = x.shape
+    if M == 0 or K == 0:
+        return
+    cfg = default_moe_sum_config(M, K)
+    block_m = block_m or cfg["block_m"]
+    block_k = block_k or cfg["block_k"]
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    _moe_sum_kernel[grid](
+        x, out, M, K, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
+        TOPK=topk, BLOCK_M=block_m, BLOCK_K=block_k,
+        ROUND_BF16=interpreting() and out.dtype == torch.bfloat16,
+        num_warps=num_warps or cfg["num_warps"],
+    )
+
+
+def moe_sum(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum each token's top-k expert outputs.
+
+    Arguments:
+        x: [M, topk, K] bfloat16 / float16 / float32, topk >= 1, any strides.
+        out: optional [M, K] tensor of x's dtype and device (any strides); written and returned.
+
+    Returns:
+        out: [M, K] in x's dtype, out[m] = sum over t of x[m, t], accumulated in float32 in
+        order t = 0, 1, ... CUDA tensors run the Triton kernel (int64 offsets), CPU the reference.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in _SUPPORTED:
+        raise ValueError(f"x must be a bfloat16/float16/float32 tensor, got "
+                         f"{getattr(x, 'dtype', type(x))}")
+    if x.dim() != 3 or x.shape[1] < 1:
+        raise ValueError(f"x must be [M, topk, K] with topk >= 1, got shape {tuple(x.shape)}")
+    M, _, K = x.shape
+    if out is None:
+        out = torch.empty((M, K), dtype=x.dtype, device=x.device)
+    elif not isinstance(out, torch.Tensor) or out.dtype != x.dtype:
+        raise ValueError(f"out must be a {x.dtype} tensor, got {getattr(out, 'dtype', out)}")
+    elif out.shape != (M, K) or out.device != x.device:
+        raise ValueError(f"out must be [{M}, {K}] on {x.device}, got {tuple(out.shape)} on "
+                         f"{out.device}")
+    if x.is_cuda:
+        moe_sum_triton(x, out)
+    else:
+        out.copy_(moe_sum_ref(x))
+    return out

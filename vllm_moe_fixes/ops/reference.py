@@ -1,0 +1,64 @@
+"""Plain-torch references for the ops in fp8_quant.py, moe_sum.py and activation.py.
+
+The public ops run these on CPU tensors; the GPU tests run them on CUDA tensors and compare the
+Triton kernels against them bit for bit (quant, moe_sum) or to within one output ulp (silu_and_mul,
+whose exp differs between torch and Triton). They take already validated arguments.
+
+FP8 quantisation arithmetic (shared with the Triton kernel in fp8_quant.py, operation for operation,
+so both give identical bits on any device):
+
+    amax  = max |x| over the group, in float32 (exact: max is order independent)
+    scale = max(amax, float32(eps)) * float32(1/448)          # a multiply, never `/ 448`
+    use_ue8m0: scale = 2**ceil(log2(scale)), done on the bits: (bits + 0x7FFFFF) & 0x7F800000
+    inv   = 1 / scale                                         # IEEE-rounded division, once a group
+    q     = clamp(x * inv, -448, 448) cast to float8_e4m3fn with round-to-nearest-even
+
+Why a multiply by a float32 reciprocal: torch on CUDA turns `t / 448.0` into `t * (1/448)` while
+the CPU divides exactly, and Triton's plain fp32 `/` need not be IEEE-exact. A float32 multiply is
+exact-rounded everywhere, and `inv` is a tensor / tensor division (IEEE in torch on both devices,
+`tl.math.div_rn` in Triton).
+"""
+
+import torch
+
+FP8_MAX = 448.0
+# float32(1/448): the one constant both implementations multiply by.
+INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
+
+
+def group_scales_ref(amax: torch.Tensor, eps: float, use_ue8m0: bool) -> torch.Tensor:
+    """float32 scales from float32 group maxima (any shape), by the arithmetic above."""
+    eps32 = torch.tensor(eps, dtype=torch.float32, device=amax.device)
+    inv448 = torch.tensor(INV_FP8_MAX, dtype=torch.float32, device=amax.device)
+    scale = torch.maximum(amax, eps32) * inv448
+    if use_ue8m0:
+        scale = ((scale.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+    return scale
+
+
+def per_token_group_quant_fp8_ref(
+    x: torch.Tensor, group_size: int, eps: float, use_ue8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise x [..., K] (bf16/fp16/fp32) per group of `group_size` channels.
+
+    Returns (x_q float8_e4m3fn [..., K] contiguous, x_s float32 [..., K // group_size] row-major).
+    """
+    groups = x.float().unflatten(-1, (x.shape[-1] // group_size, group_size))
+    scale = group_scales_ref(groups.abs().amax(dim=-1), eps, use_ue8m0)
+    inv = torch.ones_like(scale) / scale  # tensor / tensor: IEEE division on CPU and CUDA
+    q = (groups * inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn).flatten(-2), scale
+
+
+def moe_sum_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, topk, K] -> [M, K] in x's dtype, summed over topk in float32 in index order."""
+    acc = x[:, 0].float()
+    for t in range(1, x.shape[1]):
+        acc = acc + x[:, t].float()
+    return acc.to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2N] -> silu(x[..., :N]) * x[..., N:] as [..., N], float32 math, x's dtype."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
