@@ -1,0 +1,402 @@
+"""The modular kernel (NoEP + TritonExperts / DeepGemmExperts) against moe_reference.
+
+On CPU the ops run their torch references, so these tests exercise the whole layer; the GPU
+tests (marker gpu) run the Triton kernels. Tolerances: activations are FP8-quantised twice
+(input and SiLU output), which costs ~5% relative error; a routing or weight error shows as ~1.
+"""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from vllm_moe_fixes._compat import deep_gemm as compat
+from vllm_moe_fixes.fused_moe import experts as experts_mod
+from vllm_moe_fixes.fused_moe.experts import DeepGemmExperts, TritonExperts, select_experts
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts, FusedMoEModularKernel
+from vllm_moe_fixes.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
+from vllm_moe_fixes.ops.grouped_gemm import (
+    grouped_fp8_gemm_contiguous_ref,
+    grouped_fp8_gemm_contiguous_triton,
+)
+
+
+def calc_diff(x, y):
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def rel_err(x, y):
+    return float((x.double() - y.double()).norm() / y.double().norm())
+
+
+def make_problem(M, k, E, N, K, *, local=None, device="cpu", seed=0):
+    """Weights of the local experts, routed input; local: global ids held here (None = all)."""
+    g = torch.Generator().manual_seed(seed)
+    E_l = E if local is None else len(local)
+    w1, w1s = quant_block_fp8(torch.randn(E_l, 2 * N, K, generator=g) / K ** 0.5)
+    w2, w2s = quant_block_fp8(torch.randn(E_l, K, N, generator=g) / N ** 0.5)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    weights, ids = fused_topk(torch.randn(M, E, generator=g), k, renormalize=True)
+    emap = None
+    if local is not None:
+        emap = torch.full((E,), -1, dtype=torch.int32)
+        emap[torch.tensor(local)] = torch.arange(E_l, dtype=torch.int32)
+    args = dict(hidden_states=x, w1=w1, w2=w2, topk_weights=weights, topk_ids=ids, w1_scale=w1s,
+                w2_scale=w2s, expert_map=emap)
+    return {n: (t.to(device) if t is not None else None) for n, t in args.items()}
+
+
+def run(kernel, p, E, **kw):
+    return kernel(p["hidden_states"], p["w1"], p["w2"], p["topk_weights"], p["topk_ids"],
+                  w1_scale=p["w1_scale"], w2_scale=p["w2_scale"], global_num_experts=E,
+                  expert_map=p["expert_map"], **kw)
+
+
+def reference(p, **kw):
+    return moe_reference(p["hidden_states"], p["w1"], p["w2"], p["topk_weights"], p["topk_ids"],
+                         w1_scale=p["w1_scale"], w2_scale=p["w2_scale"],
+                         expert_map=p["expert_map"], **kw)
+
+
+def new_kernel(experts=None):
+    return FusedMoEModularKernel(NoEPPrepareAndFinalize(), experts or TritonExperts())
+
+
+def check_close(out, ref):
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    assert calc_diff(out, ref) < 4e-3 and rel_err(out, ref) < 9e-2, (calc_diff(out, ref),
+                                                                      rel_err(out, ref))
+
+
+GRID = [(E, k, M) for E in (1, 8, 32) for k in (1, 2, 6) for M in (1, 7, 130) if k <= E]
+
+
+@pytest.mark.parametrize("use_map", [False, True])
+@pytest.mark.parametrize("E,k,M", GRID)
+def test_kernel_matches_reference(E, k, M, use_map):
+    N = 256 if (E + k + M) % 2 else 128
+    local = list(range(0, E, 2)) if use_map and E > 1 else ([0] if use_map else None)
+    p = make_problem(M, k, E, N, 256, local=local, seed=E * 100 + k * 10 + M)
+    out = run(new_kernel(), p, E)
+    ref = reference(p)
+    if ref.abs().sum() == 0:  # every slot non-local (possible for M=1): exact zeros
+        assert out.eq(0).all()
+    else:
+        check_close(out, ref)
+
+
+def test_apply_router_weight_on_input():
+    p = make_problem(33, 1, 8, 128, 256, seed=7)
+    out = run(new_kernel(), p, 8, apply_router_weight_on_input=True)
+    check_close(out, reference(p, apply_router_weight_on_input=True))
+
+
+def test_empty_input():
+    p = make_problem(0, 2, 8, 128, 256)
+    out = run(new_kernel(), p, 8)
+    assert out.shape == (0, 256) and out.dtype == torch.bfloat16
+
+
+def _ws_ptrs(kernel):
+    return kernel.workspaces.ws13.data_ptr(), kernel.workspaces.ws2.data_ptr()
+
+
+def test_workspaces_reused_and_grown():
+    kernel = new_kernel()
+    p = make_problem(64, 2, 8, 128, 256, seed=1)
+    run(kernel, p, 8)
+    ptrs, sizes = _ws_ptrs(kernel), (kernel.workspaces.ws13.numel(), kernel.workspaces.ws2.numel())
+    # same M, then smaller M: same buffers, no new ones
+    for M in (64, 5):
+        q = make_problem(M, 2, 8, 128, 256, seed=M)
+        check_close(run(kernel, q, 8), reference(q))
+        assert _ws_ptrs(kernel) == ptrs
+        assert (kernel.workspaces.ws13.numel(), kernel.workspaces.ws2.numel()) == sizes
+    # larger M: both grow
+    big = make_problem(300, 2, 8, 128, 256, seed=3)
+    check_close(run(kernel, big, 8), reference(big))
+    assert kernel.workspaces.ws13.numel() > sizes[0] and kernel.workspaces.ws2.numel() > sizes[1]
+    # a shared Workspaces serves a second kernel (another layer) without allocating
+    other = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts(), kernel.workspaces)
+    ptrs = _ws_ptrs(kernel)
+    run(other, p, 8)
+    assert _ws_ptrs(other) == ptrs
+
+
+def test_declared_workspace_shapes():
+    ws13, ws2, out = TritonExperts().workspace_shapes(130, 128, 256, 6, 32)
+    m_sum = (130 * 6 + 32 * 127 + 127) // 128 * 128
+    assert ws13 == (m_sum, 256) and ws2 == (m_sum, 256) and out == (130, 6, 256)
+    assert TritonExperts().workspace_shapes(7, 512, 256, 2, 4)[:2] == ((640, 1024), (640, 512))
+
+
+class RecordingNoEP(NoEPPrepareAndFinalize):
+    """Keeps a copy of the experts' unreduced output, before the weights are applied."""
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input):
+        self.seen = fused_expert_output.clone()
+        super().finalize(output, fused_expert_output, topk_weights, topk_ids,
+                         apply_router_weight_on_input)
+
+
+@pytest.mark.parametrize("experts_cls", ["triton", "deep_gemm_fake"])
+def test_nonlocal_slots_exact_zero_with_poisoned_workspaces(experts_cls, monkeypatch):
+    if experts_cls == "deep_gemm_fake":
+        _fake_deep_gemm(monkeypatch, skip_minus_one_rows=True)
+    experts = TritonExperts() if experts_cls == "triton" else DeepGemmExperts()
+    pf = RecordingNoEP()
+    kernel = FusedMoEModularKernel(pf, experts)
+    E, k, M = 16, 6, 40
+    p = make_problem(M, k, E, 128, 256, local=[1, 4, 5, 9, 15], seed=11)
+    ws13, ws2, _ = experts.workspace_shapes(M, 128, 256, k, 5)
+    kernel.workspaces.get(ws13, ws2, torch.device("cpu"), torch.bfloat16)
+    kernel.workspaces.ws13.fill_(float("nan"))
+    kernel.workspaces.ws2.fill_(float("nan"))
+    p["topk_weights"][0, 0] = 0.0  # a zero weight must not be what hides garbage
+    out = run(kernel, p, E)
+    nonlocal_slots = p["expert_map"][p["topk_ids"]] < 0
+    assert nonlocal_slots.any() and (~nonlocal_slots).any()
+    assert pf.seen[nonlocal_slots].eq(0).all()
+    assert torch.isfinite(pf.seen).all() and torch.isfinite(out).all()
+    check_close(out, reference(p))
+
+
+def test_bad_arguments():
+    kernel = new_kernel()
+    p = make_problem(4, 2, 8, 128, 256)
+
+    def bad(match, **changes):
+        q = dict(p, **{k: v for k, v in changes.items() if k in p})
+        kw = {k: v for k, v in changes.items() if k not in p}
+        with pytest.raises(ValueError, match=match):
+            run(kernel, q, kw.pop("E", 8), **kw)
+
+    x, w1, w2 = p["hidden_states"], p["w1"], p["w2"]
+    bad("hidden_states", hidden_states=x.float())
+    bad("hidden_states", hidden_states=x[None])
+    bad("w1", w1=w1.view(torch.uint8))
+    bad("w1", w1=w1[:, :, :128])
+    bad("w2", w2=w2[:, :, :64])
+    bad("w2", w2=w2[:4])
+    bad("w1_scale", w1_scale=p["w1_scale"][:, :1])
+    bad("w2_scale", w2_scale=p["w2_scale"].double())
+    bad("topk_ids", topk_ids=p["topk_ids"].int())
+    bad("topk_ids", topk_ids=p["topk_ids"][:3])
+    bad("topk_weights", topk_weights=p["topk_weights"].bfloat16())
+    bad("topk_weights", topk_weights=p["topk_weights"][:, :1])
+    bad("global_num_experts", E=16)
+    bad("expert_map", expert_map=torch.arange(8))  # int64
+    bad("expert_map", expert_map=torch.arange(4, dtype=torch.int32))
+    bad("activation", activation="gelu")
+    bad("apply_router_weight_on_input needs topk == 1", apply_router_weight_on_input=True)
+    bad("must be a torch.Tensor", w1_scale=None)
+
+
+def test_format_mismatch_refused():
+    class Batched(Experts):
+        activation_format = ActivationFormat.BATCHED
+
+        def workspace_shapes(self, *a):
+            raise AssertionError
+
+        def apply(self, *a):
+            raise AssertionError
+
+    with pytest.raises(ValueError, match="batched"):
+        FusedMoEModularKernel(NoEPPrepareAndFinalize(), Batched())
+    with pytest.raises(ValueError, match="Experts"):
+        FusedMoEModularKernel(NoEPPrepareAndFinalize(), object())
+
+
+# --- DeepGEMM selection and the compatibility module --------------------------------------------
+
+def _fake_deep_gemm(monkeypatch, *, old_names=False, skip_minus_one_rows=False):
+    """Install a fake DeepGEMM API (torch reference GEMM) and return its call log."""
+    calls = []
+
+    def contiguous(a, b, d, layout, disable_ue8m0_cast=False):
+        calls.append((disable_ue8m0_cast, layout))
+        if skip_minus_one_rows:  # like SM90: leave whole -1 blocks untouched (here: all -1 rows)
+            keep = d[layout < 0].clone()
+        grouped_fp8_gemm_contiguous_ref(a, b, d, layout)
+        if skip_minus_one_rows:
+            d[layout < 0] = keep
+
+    def old_contiguous(lhs, rhs, out, m_indices):  # positional only, no ue8m0 keyword
+        calls.append((None, m_indices))
+        grouped_fp8_gemm_contiguous_ref(lhs, rhs, out, m_indices)
+
+    mod = types.SimpleNamespace(get_mn_major_tma_aligned_tensor=lambda s: s)
+    if old_names:
+        mod.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous = old_contiguous
+    else:
+        mod.m_grouped_fp8_gemm_nt_contiguous = contiguous
+    monkeypatch.setattr(compat, "_API", compat.resolve(mod))
+    return calls
+
+
+@pytest.mark.parametrize("old_names", [False, True])
+def test_deep_gemm_experts_through_compat(monkeypatch, old_names):
+    calls = _fake_deep_gemm(monkeypatch, old_names=old_names)
+    p = make_problem(20, 2, 8, 128, 256, local=[0, 3, 6], seed=5)
+    out = run(new_kernel(DeepGemmExperts()), p, 8)
+    triton_out = run(new_kernel(TritonExperts()), p, 8)
+    assert torch.equal(out, triton_out)  # same path on CPU, only the GEMM call differs
+    assert len(calls) == 2 and calls[0][0] is (None if old_names else True)
+    assert calls[0][1].dtype == torch.int32
+
+
+def test_compat_resolve_names():
+    def fn_new(a, b, d, grouped_layout, *, disable_ue8m0_cast=False):
+        pass
+
+    class PybindLike:  # no signature, keyword visible only in the docstring
+        __doc__ = "m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, disable_ue8m0_cast: bool = False)"
+
+        def __call__(self, *a, **k):
+            pass
+
+    new = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=fn_new,
+                                fp8_m_grouped_gemm_nt_masked=PybindLike(),
+                                get_mk_alignment_for_contiguous_layout=lambda: 128,
+                                get_mn_major_tma_aligned_tensor=lambda s: s)
+    api = compat.resolve(new)
+    assert api.contiguous is fn_new and api.contiguous_ue8m0_kwarg
+    assert api.masked is new.fp8_m_grouped_gemm_nt_masked
+    old = types.SimpleNamespace(m_grouped_gemm_fp8_fp8_bf16_nt_contiguous=lambda l, r, o, m: None,
+                                m_grouped_gemm_fp8_fp8_bf16_nt_masked=lambda l, r, o, m, e: None,
+                                get_m_alignment_for_contiguous_layout=lambda: 128,
+                                get_col_major_tma_aligned_tensor=lambda s: s)
+    api = compat.resolve(old)
+    assert api.contiguous is old.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous
+    assert not api.contiguous_ue8m0_kwarg and not api.masked_ue8m0_kwarg
+    assert api.tma_aligned is old.get_col_major_tma_aligned_tensor
+
+
+def test_compat_without_deep_gemm(monkeypatch):
+    monkeypatch.setattr(compat, "_API", None)
+    assert not compat.is_available()
+    for call in (compat.require, DeepGemmExperts,
+                 lambda: compat.m_grouped_fp8_gemm_nt_contiguous(None, None, None, None)):
+        with pytest.raises(RuntimeError, match="VLLM_USE_DEEP_GEMM.*DeepGEMM|DeepGEMM.*VLLM_USE_DEEP_GEMM"):
+            call()
+
+
+def test_select_experts(monkeypatch, caplog):
+    monkeypatch.delenv("VLLM_USE_DEEP_GEMM", raising=False)
+    assert type(select_experts(128, 256)) is TritonExperts
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")
+    monkeypatch.setattr(compat, "_API", None)
+    with pytest.raises(RuntimeError, match="VLLM_USE_DEEP_GEMM") as err:
+        select_experts(128, 256)
+    assert "DeepGEMM" in str(err.value)
+    _fake_deep_gemm(monkeypatch)
+    assert type(select_experts(128, 256)) is DeepGemmExperts
+    monkeypatch.setattr(experts_mod, "_warned_shapes", set())
+    with caplog.at_level(logging.WARNING, logger=experts_mod.__name__):
+        assert type(select_experts(96, 256)) is TritonExperts
+        assert type(select_experts(96, 256)) is TritonExperts
+        assert type(select_experts(128, 200)) is TritonExperts
+    warnings = [r for r in caplog.records if "multiples of 128" in r.getMessage()]
+    assert len(warnings) == 2  # once per shape
+
+
+def test_triton_gemm_path_under_interpreter(monkeypatch, kernel_device):
+    """TritonExperts with the Triton grouped-GEMM launcher (interpreted on CPU) on a tiny layer."""
+    p = make_problem(3, 2, 2, 128, 128, device=kernel_device, seed=9)
+    want = run(new_kernel(), p, 2)
+    monkeypatch.setattr(experts_mod, "grouped_fp8_gemm_contiguous",
+                        lambda a, w, out, m: grouped_fp8_gemm_contiguous_triton(a, w, out, m))
+    got = run(new_kernel(), p, 2)
+    assert calc_diff(got, want) < 1e-3  # bf16 ties flip a few FP8 requantisations
+    check_close(got, reference(p))
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_map", [False, True])
+@pytest.mark.parametrize("E,k,M,N,K", [(8, 2, 1, 256, 512), (32, 6, 130, 512, 1024),
+                                       (8, 8, 2048, 1024, 2048), (64, 6, 777, 256, 2048)])
+def test_gpu_kernel_matches_reference(E, k, M, N, K, use_map):
+    local = list(range(1, E, 2)) if use_map else None
+    p = make_problem(M, k, E, N, K, local=local, device="cuda", seed=M)
+    kernel = new_kernel()
+    ws13, ws2, _ = TritonExperts().workspace_shapes(M, N, K, k, E if local is None else len(local))
+    kernel.workspaces.get(ws13, ws2, torch.device("cuda"), torch.bfloat16)
+    kernel.workspaces.ws13.fill_(float("nan"))
+    kernel.workspaces.ws2.fill_(float("nan"))
+    out = run(kernel, p, E)
+    check_close(out, reference(p))
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_is_declared_workspaces_plus_output():
+    """Counted: ws13 + ws2 (declared, bf16) + returned output [M, K] bf16 + prepare's a1q
+    [M, K] fp8 and a1q_scale [M, K/128] f32. Small per-call index vectors and the requantised
+    scales are what the 5% covers."""
+    E, k, M, N, K = 8, 8, 2048, 1024, 2048
+    p = make_problem(M, k, E, N, K, device="cuda", seed=1)
+    run(new_kernel(), p, E)  # compile the Triton kernels outside the measurement
+    kernel = new_kernel()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run(kernel, p, E)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    ws13, ws2, _ = TritonExperts().workspace_shapes(M, N, K, k, E)
+    declared = 2 * (ws13[0] * ws13[1] + ws2[0] * ws2[1])
+    expected = declared + out.numel() * 2 + M * K + M * (K // 128) * 4
+    assert expected <= peak <= 1.05 * expected, (peak, expected)
+    # steady state: a second call allocates only the output, prepare's tensors and small vectors
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run(kernel, p, E)
+    assert torch.cuda.max_memory_allocated() - base <= 1.05 * (expected - declared) + 8 * 2**20
+
+
+@pytest.mark.gpu
+def test_gpu_past_2_31_elements():
+    """M*k*K = 40000*8*7168 > 2**31: the unreduced output and the permuted layout need 64-bit
+    offsets. Checked against the reference overall and on the last tokens."""
+    E, k, M, N, K = 8, 8, 40000, 128, 7168
+    assert M * k * K > 2 ** 31
+    p = make_problem(M, k, E, N, K, device="cuda", seed=2)
+    out = run(new_kernel(), p, E)
+    ref = reference(p)
+    check_close(out, ref)
+    check_close(out[-64:], ref[-64:])
+
+
+@pytest.mark.gpu
+@pytest.mark.deep_gemm
+@pytest.mark.parametrize("E,k,M,N,K,use_map", [(8, 8, 512, 2048, 7168, False),
+                                               (32, 6, 130, 256, 1024, True)])
+def test_gpu_deep_gemm_experts(E, k, M, N, K, use_map, monkeypatch):
+    """The real DeepGEMM (needs an SM90/SM100 build): selection, poisoned workspaces, reference."""
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")
+    experts = select_experts(N, K)
+    assert type(experts) is DeepGemmExperts
+    local = list(range(0, E, 2)) if use_map else None
+    p = make_problem(M, k, E, N, K, local=local, device="cuda", seed=M)
+    pf = RecordingNoEP()
+    kernel = FusedMoEModularKernel(pf, experts)
+    ws13, ws2, _ = experts.workspace_shapes(M, N, K, k, E if local is None else len(local))
+    kernel.workspaces.get(ws13, ws2, torch.device("cuda"), torch.bfloat16)
+    kernel.workspaces.ws13.fill_(float("nan"))
+    kernel.workspaces.ws2.fill_(float("nan"))
+    out = run(kernel, p, E)
+    ref = reference(p)
+    check_close(out, ref)
+    assert torch.isfinite(pf.seen).all()
+    if use_map:
+        assert pf.seen[p["expert_map"][p["topk_ids"]] < 0].eq(0).all()
+    triton_out = run(new_kernel(), p, E)
+    assert calc_diff(out, triton_out) < 1e-3

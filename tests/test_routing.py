@@ -1,0 +1,76 @@
+"""fused_topk, block FP8 weight (de)quantisation, and moe_reference against a per-token loop."""
+
+import pytest
+import torch
+
+from vllm_moe_fixes.fused_moe.routing import (
+    dequant_block_fp8,
+    fused_topk,
+    moe_reference,
+    quant_block_fp8,
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_fused_topk(dtype, renormalize):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 16, generator=g).to(dtype)
+    w, ids = fused_topk(logits, 6, renormalize)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == ids.shape == (37, 6)
+    probs = torch.softmax(logits.float(), -1)
+    expected = torch.gather(probs, 1, ids)
+    if renormalize:
+        expected = expected / expected.sum(-1, keepdim=True)
+        torch.testing.assert_close(w.sum(-1), torch.ones(37))
+    torch.testing.assert_close(w, expected)
+    assert (w[:, :-1] >= w[:, 1:]).all()
+    assert torch.equal(ids[:, 0], probs.argmax(-1))
+
+
+def test_fused_topk_errors():
+    with pytest.raises(ValueError, match="topk"):
+        fused_topk(torch.randn(3, 4), 5, False)
+    with pytest.raises(ValueError, match="topk"):
+        fused_topk(torch.randn(3, 4), 0, False)
+    with pytest.raises(ValueError, match="gating_output"):
+        fused_topk(torch.randn(3, 4, 2), 1, False)
+    with pytest.raises(ValueError, match="gating_output"):
+        fused_topk(torch.ones(3, 4, dtype=torch.int64), 1, False)
+
+
+def test_block_quant_roundtrip():
+    w = torch.randn(2, 256, 384, generator=torch.Generator().manual_seed(1))
+    q, s = quant_block_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2, 3)
+    d = dequant_block_fp8(q, s)
+    assert ((d - w).norm() / w.norm()) < 0.04
+    # Each 128x128 block uses its own scale: scaling one block scales only that block.
+    s2 = s.clone()
+    s2[1, 1, 2] *= 2
+    d2 = dequant_block_fp8(q, s2)
+    assert torch.equal(d2[1, 128:, 256:], 2 * d[1, 128:, 256:])
+    assert torch.equal(d2[0], d[0]) and torch.equal(d2[1, :128], d[1, :128])
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quant_block_fp8(torch.randn(100, 128))
+
+
+def test_moe_reference_per_token_loop():
+    g = torch.Generator().manual_seed(2)
+    E, k, M, N, K = 4, 2, 5, 128, 128
+    w1, w1s = quant_block_fp8(torch.randn(E, 2 * N, K, generator=g) / K ** 0.5)
+    w2, w2s = quant_block_fp8(torch.randn(E, K, N, generator=g) / N ** 0.5)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    weights, ids = fused_topk(torch.randn(M, E, generator=g), k, True)
+    emap = torch.tensor([1, -1, 0, -1], dtype=torch.int32)  # global 0 -> local 1, 2 -> 0
+    w1l, w1sl, w2l, w2sl = w1[[2, 0]], w1s[[2, 0]], w2[[2, 0]], w2s[[2, 0]]
+    got = moe_reference(x, w1l, w2l, weights, ids, w1_scale=w1sl, w2_scale=w2sl, expert_map=emap)
+    W1, W2 = dequant_block_fp8(w1, w1s), dequant_block_fp8(w2, w2s)
+    want = torch.zeros(M, K)
+    for m in range(M):
+        for j in range(k):
+            e = int(ids[m, j])
+            if e in (0, 2):
+                h = x[m].float() @ W1[e].t()
+                want[m] += weights[m, j] * ((torch.nn.functional.silu(h[:N]) * h[N:]) @ W2[e].t())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

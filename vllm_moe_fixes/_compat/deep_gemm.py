@@ -1,0 +1,119 @@
+"""DeepGEMM, optional: the only module that imports it.
+
+DeepGEMM renamed its Python API on 2025-07-18 (v2.x) and renamed the 4th argument of the contiguous
+GEMM (`m_indices` -> `grouped_layout`) later, so names are resolved once, here, at import:
+
+    ours (new name first)             before 2025-07-18
+    m_grouped_fp8_gemm_nt_contiguous  m_grouped_gemm_fp8_fp8_bf16_nt_contiguous
+    m_grouped_fp8_gemm_nt_masked      m_grouped_gemm_fp8_fp8_bf16_nt_masked
+        (v2.x also: fp8_m_grouped_gemm_nt_masked)
+    get_mk_alignment_for_contiguous_layout   get_m_alignment_for_contiguous_layout
+    get_mn_major_tma_aligned_tensor   get_col_major_tma_aligned_tensor
+
+The grouped layout / m_indices is always passed positionally, and `disable_ue8m0_cast=True` is
+passed where the function takes it (float32 scales on SM90; UE8M0 packing is SM100-only).
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any
+
+_NAMES = {
+    "contiguous": ("m_grouped_fp8_gemm_nt_contiguous",
+                   "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"),
+    "masked": ("m_grouped_fp8_gemm_nt_masked", "fp8_m_grouped_gemm_nt_masked",
+               "m_grouped_gemm_fp8_fp8_bf16_nt_masked"),
+    "alignment": ("get_mk_alignment_for_contiguous_layout",
+                  "get_m_alignment_for_contiguous_layout"),
+    "tma_aligned": ("get_mn_major_tma_aligned_tensor", "get_col_major_tma_aligned_tensor"),
+}
+
+
+def _takes_kwarg(fn: Any, name: str) -> bool:
+    """Whether `fn` accepts keyword `name`; pybind11 functions have no signature, only a docstring."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return name in (getattr(fn, "__doc__", None) or "")
+
+
+def resolve(module: Any) -> SimpleNamespace:
+    """Pick the first name of each row of _NAMES that `module` has (None where none is found).
+
+    Returns a namespace with contiguous, masked, alignment, tma_aligned (callables or None) and
+    contiguous_ue8m0_kwarg / masked_ue8m0_kwarg (whether to pass disable_ue8m0_cast=True).
+    """
+    found = {key: next((getattr(module, n) for n in names if hasattr(module, n)), None)
+             for key, names in _NAMES.items()}
+    for key in ("contiguous", "masked"):
+        fn = found[key]
+        found[f"{key}_ue8m0_kwarg"] = fn is not None and _takes_kwarg(fn, "disable_ue8m0_cast")
+    return SimpleNamespace(**found)
+
+
+try:  # a broken build can fail with more than ImportError (missing CUDA libraries, ...)
+    import deep_gemm as _deep_gemm
+    _IMPORT_ERROR: BaseException | None = None
+except Exception as exc:  # noqa: BLE001
+    _deep_gemm = None
+    _IMPORT_ERROR = exc
+
+_API = resolve(_deep_gemm) if _deep_gemm is not None else None
+
+
+def is_available() -> bool:
+    """True when deep_gemm imported and has a contiguous grouped FP8 GEMM under a known name."""
+    return _API is not None and _API.contiguous is not None
+
+
+def require(what: str = "DeepGemmExperts") -> SimpleNamespace:
+    """Return the resolved API, or raise RuntimeError naming VLLM_USE_DEEP_GEMM and DeepGEMM."""
+    if is_available():
+        return _API
+    why = (f"import failed: {_IMPORT_ERROR!r}" if _IMPORT_ERROR is not None
+           else "deep_gemm has no known grouped FP8 GEMM function")
+    raise RuntimeError(
+        f"{what} needs DeepGEMM (VLLM_USE_DEEP_GEMM=1 asks for it), but it is not usable: {why}. "
+        "Build DeepGEMM from source (github.com/deepseek-ai/DeepGEMM; the PyPI 'deep-gemm' package "
+        "is a broken snapshot) or set VLLM_USE_DEEP_GEMM=0 to use the Triton experts.")
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices) -> None:
+    """DeepGEMM's contiguous grouped FP8 GEMM: out[i] = a[i] @ b[m_indices[i]]^T.
+
+    a: (float8_e4m3fn [M_sum, K], float32 [M_sum, K/128] MN-major TMA-aligned scales);
+    b: (float8_e4m3fn [E, N, K], float32 [E, N/128, K/128]); out: bf16 [M_sum, N] (written);
+    m_indices: int32 [M_sum], -1 on padding rows (undefined output there).
+    """
+    api = require()
+    kwargs = {"disable_ue8m0_cast": True} if api.contiguous_ue8m0_kwarg else {}
+    api.contiguous(a, b, out, m_indices, **kwargs)
+
+
+def m_grouped_fp8_gemm_nt_masked(a, b, out, masked_m, expected_m: int) -> None:
+    """DeepGEMM's masked grouped FP8 GEMM over [E, T, K]; rows >= masked_m[e] of out[e] untouched.
+
+    a: (float8_e4m3fn [E, T, K], float32 [E, T, K/128] MN-major per expert); b as above;
+    out: bf16 [E, T, N]; masked_m: int32 [E]; expected_m: typical rows per expert (tiling hint).
+    """
+    api = require("BatchedDeepGemmExperts")
+    if api.masked is None:
+        raise RuntimeError("this DeepGEMM build has no masked grouped FP8 GEMM under a known name")
+    kwargs = {"disable_ue8m0_cast": True} if api.masked_ue8m0_kwarg else {}
+    api.masked(a, b, out, masked_m, expected_m, **kwargs)
+
+
+def get_m_alignment_for_contiguous_layout() -> int:
+    """Row alignment of each expert segment in the contiguous layout (128 in every release)."""
+    api = require()
+    return int(api.alignment()) if api.alignment is not None else 128
+
+
+def get_mn_major_tma_aligned_tensor(s):
+    """DeepGEMM's scale-layout helper: float32 scales [..., M, G] -> MN-major, M stride align4."""
+    api = require()
+    if api.tma_aligned is None:
+        raise RuntimeError("this DeepGEMM build has no MN-major TMA-aligned scale helper")
+    return api.tma_aligned(s)

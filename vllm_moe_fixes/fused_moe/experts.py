@@ -1,0 +1,142 @@
+"""Experts over the expert-contiguous layout: DeepGEMM or Triton grouped FP8 GEMMs.
+
+`TritonExperts` and `DeepGemmExperts` share everything but the GEMM call. One `apply`:
+
+    step                      reads                    writes (all inside the two workspaces)
+    permute a1q               a1q [M, K] fp8           A  fp8 [M_sum, K] + scales  (bytes of ws2)
+    GEMM1 (w1)                A                        H  bf16 [M_sum, 2N]         (ws13)
+    silu_and_mul              H                        G  bf16 [M_sum, N]          (ws2)
+    requantise                G                        G' fp8 [M_sum, N]           (bytes of ws13)
+    GEMM2 (w2)                G'                       Y  bf16 [M_sum, K]          (ws2)
+    un-permute                Y                        output [M, k, K]            (start of ws13)
+
+Each step reads only the buffer the previous one wrote, so two buffers of M_sum x max(2N, K) and
+M_sum x max(N, K) bf16 elements suffice (ws2 holds A's M_sum*K*(1 + 1/32) bytes in its
+2*M_sum*max(N, K); ws13 holds G''s M_sum*N*(1 + 1/32) bytes in its 2*M_sum*max(2N, K)). M_sum
+counts the LOCAL experts (ops/permute.py). The only per-call allocations are the index vectors of
+the layout and G''s scales (M_sum * N/128 float32).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import abstractmethod
+
+import torch
+
+from vllm_moe_fixes import envs
+from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
+from vllm_moe_fixes.ops.activation import silu_and_mul
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous
+from vllm_moe_fixes.ops.permute import (
+    build_contiguous_layout,
+    contiguous_num_rows,
+    permute_rows,
+    unpermute_rows,
+)
+
+logger = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+BLOCK = 128
+
+
+def _byte_view(ws: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
+    """A `dtype` tensor of `shape` over ws's bytes [offset, offset + size)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return ws.view(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def _fp8_with_mn_major_scales(ws: torch.Tensor, rows: int, cols: int):
+    """fp8 [rows, cols] at the start of ws, then float32 scales [rows, cols/128] with strides
+    (1, rows) right after (rows is a multiple of 128, so the scales are 16-byte aligned)."""
+    q = _byte_view(ws, 0, (rows, cols), FP8_DTYPE)
+    s = _byte_view(ws, rows * cols, (cols // BLOCK, rows), torch.float32).t()
+    return q, s
+
+
+class ContiguousExperts(Experts):
+    """Shared body of TritonExperts and DeepGemmExperts; subclasses provide `gemm`."""
+
+    activation_format = ActivationFormat.STANDARD
+
+    @abstractmethod
+    def gemm(self, a: tuple[torch.Tensor, torch.Tensor], w: tuple[torch.Tensor, torch.Tensor],
+             out: torch.Tensor, m_indices: torch.Tensor) -> None:
+        """Contiguous grouped GEMM, DeepGEMM's contract (ops.grouped_fp8_gemm_contiguous)."""
+
+    def workspace_shapes(self, M, N, K, topk, local_num_experts):
+        m_sum = contiguous_num_rows(M * topk, local_num_experts)
+        return (m_sum, max(2 * N, K)), (m_sum, max(N, K)), (M, topk, K)
+
+    def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
+              activation, workspace13, workspace2, expert_num_tokens) -> None:
+        if activation != "silu":
+            raise ValueError(f"activation must be 'silu', got {activation!r}")
+        E_l, K, N = w2.shape
+        layout = build_contiguous_layout(topk_ids, E_l, expert_map)
+        m_sum = layout.m_indices.shape[0]
+
+        a_q, a_s = _fp8_with_mn_major_scales(workspace2, m_sum, K)
+        permute_rows(a1q, a1q_scale, layout, a_q, a_s)
+        h = workspace13.view(-1)[:m_sum * 2 * N].view(m_sum, 2 * N)
+        self.gemm((a_q, a_s), (w1, w1_scale), h, layout.m_indices)
+        g = workspace2.view(-1)[:m_sum * N].view(m_sum, N)
+        silu_and_mul(h, out=g)
+        g_q = _byte_view(workspace13, 0, (m_sum, N), FP8_DTYPE)
+        g_q, g_s = per_token_group_quant_fp8(g, BLOCK, column_major_scales=True,
+                                             tma_aligned_scales=True, out_q=g_q)
+        y = workspace2.view(-1)[:m_sum * K].view(m_sum, K)
+        self.gemm((g_q, g_s), (w2, w2_scale), y, layout.m_indices)
+        unpermute_rows(y, layout, output)
+
+
+class TritonExperts(ContiguousExperts):
+    """Experts on `ops.grouped_fp8_gemm_contiguous` (Triton on CUDA, torch reference on CPU)."""
+
+    def gemm(self, a, w, out, m_indices) -> None:
+        grouped_fp8_gemm_contiguous(a, w, out, m_indices)
+
+
+class DeepGemmExperts(ContiguousExperts):
+    """Experts on DeepGEMM's contiguous grouped FP8 GEMM (SM90/SM100; N, K multiples of 128).
+
+    Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and DeepGEMM) when DeepGEMM is not usable.
+    """
+
+    def __init__(self) -> None:
+        _deep_gemm.require("DeepGemmExperts")
+
+    def gemm(self, a, w, out, m_indices) -> None:
+        _deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices)
+
+
+_warned_shapes: set[tuple[int, int]] = set()
+
+
+def select_experts(intermediate_size: int, hidden_size: int) -> ContiguousExperts:
+    """The experts the environment asks for: DeepGemmExperts when VLLM_USE_DEEP_GEMM, else Triton.
+
+    Args:
+        intermediate_size: N = I (w1 is [E_l, 2N, K], w2 is [E_l, K, N]).
+        hidden_size: K.
+
+    Returns DeepGemmExperts or TritonExperts. With VLLM_USE_DEEP_GEMM=1: DeepGEMM not importable
+    -> RuntimeError naming VLLM_USE_DEEP_GEMM and DeepGEMM; N or K not a multiple of 128 ->
+    TritonExperts, with one logged warning per shape.
+    """
+    if not envs.VLLM_USE_DEEP_GEMM:
+        return TritonExperts()
+    _deep_gemm.require("VLLM_USE_DEEP_GEMM=1 (DeepGemmExperts)")
+    if intermediate_size % BLOCK or hidden_size % BLOCK:
+        shape = (intermediate_size, hidden_size)
+        if shape not in _warned_shapes:
+            _warned_shapes.add(shape)
+            logger.warning("VLLM_USE_DEEP_GEMM=1 but DeepGEMM needs N and K multiples of %d "
+                           "(N=%d, K=%d): using TritonExperts", BLOCK, intermediate_size,
+                           hidden_size)
+        return TritonExperts()
+    return DeepGemmExperts()

@@ -1,0 +1,285 @@
+"""The modular MoE kernel: prepare -> experts -> finalize, with workspaces owned by the kernel.
+
+A `PrepareAndFinalize` quantises (and, with expert parallelism, dispatches) the input and later
+reduces (and combines) the experts' output; an `Experts` runs the two grouped GEMMs. The kernel
+checks that both speak the same `ActivationFormat`, asks the experts how much scratch they need
+(`workspace_shapes`) and hands them views of two grow-only buffers that it keeps across calls:
+a second call with the same or a smaller problem allocates no workspace.
+
+Memory of one call, counted on top of the inputs and weights:
+    workspace13 + workspace2 (declared by the experts, bf16 elements; kept across calls)
+    + the returned output [M, K]
+    + what prepare allocates (NoEP: a1q fp8 [M, K] and a1q_scale f32 [M, K/128])
+    + small per-call tensors of the experts (index vectors, requantised scales).
+The experts' unreduced output (`fused_out`, out_shape) is a view of the start of workspace13, so it
+costs nothing extra: an Experts implementation must finish reading workspace13 before it writes
+`output` (or place what it still needs past out_shape's element count).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+BLOCK = 128  # scale block of weights (128x128) and activations (1x128)
+
+
+class ActivationFormat(enum.Enum):
+    """STANDARD: one row per token [M', K]. BATCHED: one slice per local expert [E_l, T, K]."""
+
+    STANDARD = "standard"
+    BATCHED = "batched"
+
+
+@dataclass
+class PrepareResult:
+    """What prepare hands to the experts.
+
+    a1q: float8_e4m3fn, STANDARD [M', K] / BATCHED [E_l, T, K].
+    a1q_scale: float32 [M', K/128] / [E_l, T, K/128] (any strides).
+    topk_ids: STANDARD: int64 [M', k] GLOBAL expert ids, -1 = not on this rank; None = keep the
+        caller's. The kernel passes these to the experts and to finalize.
+    topk_weights: STANDARD: float32 [M', k] (0 where the id is -1); None = keep the caller's.
+    expert_num_tokens: BATCHED: int32 [E_l] valid rows per expert slice; None for STANDARD.
+    """
+
+    a1q: torch.Tensor
+    a1q_scale: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+    expert_num_tokens: torch.Tensor | None = None
+
+
+class PrepareAndFinalize(ABC):
+    """Quantise/dispatch before the experts, weight/reduce/combine after them."""
+
+    activation_format: ActivationFormat = ActivationFormat.STANDARD
+
+    @abstractmethod
+    def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                num_experts: int, expert_map: torch.Tensor | None,
+                apply_router_weight_on_input: bool) -> PrepareResult:
+        """a1: bf16 [M, K]; topk_weights: float32 [M, k]; topk_ids: int64 [M, k] global ids;
+        num_experts: global expert count E; expert_map: int32 [E] global -> local id or -1, or
+        None; apply_router_weight_on_input: scale a1 by the (k == 1) weight before quantising."""
+
+    @abstractmethod
+    def finalize(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 apply_router_weight_on_input: bool) -> None:
+        """Write output bf16 [M, K] (the caller's token count). fused_expert_output is STANDARD
+        [M', k, K] (one row per slot, unreduced; may be modified in place) or BATCHED [E_l, T, K].
+        topk_weights / topk_ids are PrepareResult's when it gave them, else the caller's."""
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        """Upper bound on tokens per rank per call (sizes batched layouts), or None."""
+        return None
+
+    def num_dispatchers(self) -> int:
+        """Ranks that send tokens to this one."""
+        return 1
+
+
+class Experts(ABC):
+    """Grouped FP8 expert GEMMs: GEMM1 (w1) -> SiLU(gate) * up -> GEMM2 (w2)."""
+
+    activation_format: ActivationFormat = ActivationFormat.STANDARD
+
+    @abstractmethod
+    def workspace_shapes(self, M: int, N: int, K: int, topk: int,
+                         local_num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...],
+                                                          tuple[int, ...]]:
+        """Element shapes (ws13, ws2, out) of the bf16 workspaces and of the unreduced output.
+
+        M: rows of a1q (STANDARD) or T, rows per expert slice (BATCHED); N: intermediate size I
+        (w1 [E_l, 2N, K], w2 [E_l, K, N]); K: hidden size; topk: k; local_num_experts: E_l.
+        """
+
+    @abstractmethod
+    def apply(self, output: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor,
+              w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor, w2_scale: torch.Tensor,
+              topk_ids: torch.Tensor | None, expert_map: torch.Tensor | None, activation: str,
+              workspace13: torch.Tensor, workspace2: torch.Tensor,
+              expert_num_tokens: torch.Tensor | None) -> None:
+        """Write output (out_shape, bf16; a view of the start of workspace13's storage).
+
+        a1q / a1q_scale: PrepareResult's; w1 fp8 [E_l, 2N, K], w1_scale f32 [E_l, 2N/128, K/128],
+        w2 fp8 [E_l, K, N], w2_scale f32 [E_l, K/128, N/128]; topk_ids int64 [M', k] global ids
+        (STANDARD); expert_map int32 [E] or None; activation "silu"; workspace13 / workspace2 bf16
+        views of the declared shapes (contents undefined on entry); expert_num_tokens int32 [E_l]
+        (BATCHED). STANDARD: slots of non-local experts must come out as exact zeros.
+        """
+
+
+class Workspaces:
+    """Two grow-only bf16 buffers (per device), shareable by the kernels of several layers."""
+
+    def __init__(self) -> None:
+        self.ws13: torch.Tensor | None = None
+        self.ws2: torch.Tensor | None = None
+
+    def _get(self, name: str, numel: int, device: torch.device, dtype: torch.dtype):
+        buf = getattr(self, name)
+        if buf is None or buf.numel() < numel or buf.device != device or buf.dtype != dtype:
+            setattr(self, name, None)  # free the old buffer before allocating the larger one
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            setattr(self, name, buf)
+        return buf
+
+    def get(self, ws13_shape, ws2_shape, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the requested shapes, growing a buffer when it is too small."""
+        n13, n2 = math.prod(ws13_shape), math.prod(ws2_shape)
+        ws13 = self._get("ws13", n13, device, dtype)[:n13].view(ws13_shape)
+        ws2 = self._get("ws2", n2, device, dtype)[:n2].view(ws2_shape)
+        return ws13, ws2
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+class FusedMoEModularKernel:
+    """One MoE layer: `prepare_finalize.prepare` -> `experts.apply` -> `prepare_finalize.finalize`.
+
+    Args:
+        prepare_finalize: a PrepareAndFinalize (NoEP, DeepEP high-throughput / low-latency).
+        experts: an Experts of the same activation_format.
+        workspaces: a Workspaces to share between layers; default: one owned by this kernel.
+    """
+
+    def __init__(self, prepare_finalize: PrepareAndFinalize, experts: Experts,
+                 workspaces: Workspaces | None = None) -> None:
+        if not isinstance(prepare_finalize, PrepareAndFinalize):
+            raise ValueError(f"prepare_finalize must be a PrepareAndFinalize, got "
+                             f"{type(prepare_finalize).__name__}")
+        if not isinstance(experts, Experts):
+            raise ValueError(f"experts must be an Experts, got {type(experts).__name__}")
+        if prepare_finalize.activation_format != experts.activation_format:
+            raise ValueError(
+                f"{type(prepare_finalize).__name__} produces the {prepare_finalize.activation_format.value} "
+                f"activation format but {type(experts).__name__} takes "
+                f"{experts.activation_format.value}; pair standard with standard "
+                "(NoEP / DeepEP high-throughput + TritonExperts / DeepGemmExperts) and batched with "
+                "batched (DeepEP low-latency + BatchedTritonExperts / BatchedDeepGemmExperts)")
+        self.prepare_finalize = prepare_finalize
+        self.experts = experts
+        self.workspaces = workspaces if workspaces is not None else Workspaces()
+
+    def __call__(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, w1_scale: torch.Tensor,
+                 w2_scale: torch.Tensor, global_num_experts: int,
+                 expert_map: torch.Tensor | None = None, activation: str = "silu",
+                 apply_router_weight_on_input: bool = False) -> torch.Tensor:
+        """Run the layer.
+
+        Args:
+            hidden_states: bfloat16 [M, K].
+            w1: float8_e4m3fn [E_l, 2I, K] (rows 0..I-1 gate, I..2I-1 up), contiguous.
+            w2: float8_e4m3fn [E_l, K, I], contiguous.
+            topk_weights: float32 [M, k].
+            topk_ids: int64 [M, k], global expert ids in [0, global_num_experts) (values are not
+                checked: that would synchronise with the device).
+            w1_scale: float32 [E_l, 2I/128, K/128]; w2_scale: float32 [E_l, K/128, I/128].
+            global_num_experts: E.
+            expert_map: int32 [E], global -> local id or -1; None: all experts local (E == E_l).
+            activation: "silu" (the only one).
+            apply_router_weight_on_input: multiply the input by the weight (needs k == 1) instead
+                of the experts' output.
+
+        Returns:
+            bfloat16 [M, K]: sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(hidden_states),
+            where a non-local expert contributes exactly zero.
+        """
+        self._validate(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
+                       global_num_experts, expert_map, activation, apply_router_weight_on_input)
+        M, K = hidden_states.shape
+        if M == 0:
+            return hidden_states.new_empty((0, K))
+        E_l, N = w1.shape[0], w2.shape[2]
+        topk = topk_ids.shape[1]
+
+        pf, experts = self.prepare_finalize, self.experts
+        prep = pf.prepare(hidden_states, topk_weights, topk_ids, global_num_experts, expert_map,
+                          apply_router_weight_on_input)
+        if prep.topk_ids is not None:
+            topk_ids = prep.topk_ids
+        if prep.topk_weights is not None:
+            topk_weights = prep.topk_weights
+        rows = prep.a1q.shape[0] if experts.activation_format == ActivationFormat.STANDARD \
+            else prep.a1q.shape[1]
+        ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(rows, N, K, topk, E_l)
+        ws13, ws2 = self.workspaces.get(ws13_shape, ws2_shape, hidden_states.device,
+                                        hidden_states.dtype)
+        if math.prod(out_shape) > ws13.numel():
+            raise ValueError(f"{type(experts).__name__}.workspace_shapes: out_shape {out_shape} "
+                             f"does not fit in workspace13 {ws13_shape}")
+        fused_out = ws13.view(-1)[:math.prod(out_shape)].view(out_shape)
+
+        output = torch.empty_like(hidden_states)
+        if rows > 0:
+            experts.apply(fused_out, prep.a1q, prep.a1q_scale, w1, w2, w1_scale, w2_scale,
+                          topk_ids, expert_map, activation, ws13, ws2, prep.expert_num_tokens)
+        else:
+            fused_out.zero_()
+        pf.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input)
+        return output
+
+    @staticmethod
+    def _validate(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
+                  expert_map, activation, apply_router_weight_on_input) -> None:
+        for name, t in (("hidden_states", x), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights),
+                        ("topk_ids", topk_ids), ("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+            _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t)}")
+        _check(activation == "silu", f"activation must be 'silu', got {activation!r}")
+        _check(x.dim() == 2 and x.dtype == torch.bfloat16,
+               f"hidden_states must be bfloat16 [M, K], got {x.dtype} {_shape(x)}")
+        M, K = x.shape
+        _check(w1.dim() == 3 and w1.dtype == FP8_DTYPE,
+               f"w1 must be float8_e4m3fn [E_l, 2I, K], got {w1.dtype} {_shape(w1)}")
+        E_l, two_n, k_w1 = w1.shape
+        _check(E_l > 0 and two_n > 0 and two_n % 2 == 0 and k_w1 == K,
+               f"w1 must be [E_l, 2I, K={K}] with E_l > 0 and an even 2I > 0, got {_shape(w1)}")
+        N = two_n // 2
+        _check(w2.dtype == FP8_DTYPE and _shape(w2) == (E_l, K, N),
+               f"w2 must be float8_e4m3fn [E_l, K, I] = {(E_l, K, N)}, got {w2.dtype} {_shape(w2)}")
+        _check(w1.is_contiguous() and w2.is_contiguous(), "w1 and w2 must be contiguous")
+        cdiv = lambda a: (a + BLOCK - 1) // BLOCK  # noqa: E731
+        for name, s, want in (("w1_scale", w1_scale, (E_l, cdiv(2 * N), cdiv(K))),
+                              ("w2_scale", w2_scale, (E_l, cdiv(K), cdiv(N)))):
+            _check(s.dtype == torch.float32 and _shape(s) == want,
+                   f"{name} must be float32 {want} (128x128 blocks), got {s.dtype} {_shape(s)}")
+        _check(topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype == torch.int64,
+               f"topk_ids must be int64 [M={M}, k], got {topk_ids.dtype} {_shape(topk_ids)}")
+        topk = topk_ids.shape[1]
+        _check(topk >= 1, "topk_ids must have k >= 1 columns")
+        _check(topk_weights.dtype == torch.float32 and _shape(topk_weights) == (M, topk),
+               f"topk_weights must be float32 {(M, topk)}, got {topk_weights.dtype} "
+               f"{_shape(topk_weights)}")
+        _check(isinstance(global_num_experts, int) and global_num_experts >= E_l,
+               f"global_num_experts must be an int >= E_l={E_l}, got {global_num_experts!r}")
+        if expert_map is None:
+            _check(global_num_experts == E_l, f"without expert_map every expert is local: "
+                   f"global_num_experts={global_num_experts} must equal E_l={E_l}")
+        else:
+            _check(isinstance(expert_map, torch.Tensor) and expert_map.dtype == torch.int32
+                   and _shape(expert_map) == (global_num_experts,),
+                   f"expert_map must be int32 [{global_num_experts}], got "
+                   f"{getattr(expert_map, 'dtype', type(expert_map))} "
+                   f"{_shape(expert_map) if isinstance(expert_map, torch.Tensor) else ''}")
+        _check(not apply_router_weight_on_input or topk == 1,
+               f"apply_router_weight_on_input needs topk == 1, got topk={topk}")
+        tensors = [x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale]
+        if expert_map is not None:
+            tensors.append(expert_map)
+        devices = {t.device for t in tensors}
+        _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")

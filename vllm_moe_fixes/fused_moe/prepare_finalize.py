@@ -1,0 +1,36 @@
+"""Prepare/finalize without expert parallelism: quantise in, weight and reduce out."""
+
+from __future__ import annotations
+
+from vllm_moe_fixes.fused_moe.modular_kernel import (
+    ActivationFormat,
+    PrepareAndFinalize,
+    PrepareResult,
+)
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.ops.moe_sum import moe_sum
+
+
+class NoEPPrepareAndFinalize(PrepareAndFinalize):
+    """Single rank: every token stays here, expert_map (if any) is applied by the experts.
+
+    prepare: a1q, a1q_scale = per-token 1x128 FP8 quantisation of a1 (a1 * weight first when
+    apply_router_weight_on_input); topk_ids / topk_weights pass through unchanged.
+    finalize: fused_expert_output [M, k, K] *= topk_weights (in place, unless the weights were
+    applied on the input), then output = moe_sum over the k slots.
+    """
+
+    activation_format = ActivationFormat.STANDARD
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input) -> PrepareResult:
+        if apply_router_weight_on_input:
+            a1 = a1 * topk_weights.to(a1.dtype)  # k == 1: [M, 1] broadcasts over K
+        a1q, a1q_scale = per_token_group_quant_fp8(a1, 128)
+        return PrepareResult(a1q=a1q, a1q_scale=a1q_scale)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input) -> None:
+        if not apply_router_weight_on_input:
+            fused_expert_output.mul_(topk_weights.unsqueeze(-1))
+        moe_sum(fused_expert_output, out=output)
