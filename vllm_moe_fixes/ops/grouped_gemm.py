@@ -1,0 +1,380 @@
+"""Grouped FP8 GEMMs with DeepGEMM's contracts: the Triton path when DeepGEMM is not installed.
+
+Both GEMMs compute, for every row ``i`` routed to expert ``e``::
+
+    out[i, :] = (a_q[i] * a_s[i]) @ (w_q[e] * w_s[e])^T          (bf16 result)
+
+with activation scales per 1x128 group (``a_s[i, kb]``) and weight scales per 128x128 block
+(``w_s[e, nb, kb]``). Because a scale is constant over one 128-wide K block, the kernel walks K in
+blocks of 128 and promotes each block's FP8 tensor-core partial product to float32 before scaling::
+
+    acc[m, n] += dot(a_q[m, kb-block], w_q[e, n, kb-block]) * a_s[m, kb] * w_s[e, n // 128, kb]
+
+- contiguous layout (``grouped_fp8_gemm_contiguous``): rows of all experts stacked in one
+  [M_sum, K] matrix, ``m_indices[i]`` naming the expert of row i (-1: padding, written as zeros).
+  Each expert's rows start at a multiple of 128, so a BLOCK_M in {64, 128} tile never holds two
+  experts: its expert is the one of its first row, and a tile whose first row is -1 is all padding.
+- masked layout (``grouped_fp8_gemm_masked``): a [E, T, K] batch, of which only the first
+  ``masked_m[e]`` rows of expert e are computed; the rest of ``out[e]`` is left untouched.
+
+CUDA tensors run the Triton kernel, CPU tensors the float32 torch references defined here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_BLOCK = 128  # K (and weight N) width of one scale
+
+
+# ----------------------------------------------------------------------------------------------
+# Block configurations
+# ----------------------------------------------------------------------------------------------
+# A config is a dict with keys BLOCK_M, BLOCK_N, GROUP_M (tiles per L2 swizzle group along M),
+# num_warps, num_stages. BLOCK_K is fixed at 128 (one scale per K block).
+# BLOCK_M must divide 128 (a tile never spans two experts' segments); BLOCK_N must divide 128 or be
+# a multiple of it (a tile never splits a weight-scale block).
+#
+# Default heuristic (H200, Hopper wgmma): 128x128 tiles with two consumer warpgroups (8 warps)
+# keep the float32 accumulator plus the per-block partial product in registers (64 + 64 per
+# thread; ptxas: 208 registers, no spills); 4 stages of 32 KiB operands fit in shared memory.
+# BLOCK_N = 256 with BLOCK_M = 128 spills at 8 warps. Small per-expert row counts (masked layout
+# with expected_m <= 64) use 64-row tiles so fewer wasted rows are computed.
+DEFAULT_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+SMALL_M_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+
+
+def default_config(rows_per_expert: int | None = None) -> dict:
+    """Block config used when the caller passes none; `rows_per_expert` is a typical row count."""
+    if rows_per_expert is not None and rows_per_expert <= 64:
+        return dict(SMALL_M_CONFIG)
+    return dict(DEFAULT_CONFIG)
+
+
+def _resolve_config(config: dict | None, rows_per_expert: int | None) -> dict:
+    cfg = default_config(rows_per_expert)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; known: {sorted(cfg)}")
+        cfg.update(config)
+    if cfg["BLOCK_M"] not in (16, 32, 64, 128):
+        raise ValueError(f"config: BLOCK_M must divide 128 (16/32/64/128), got {cfg['BLOCK_M']}")
+    if cfg["BLOCK_N"] not in (16, 32, 64) and (cfg["BLOCK_N"] % 128 or cfg["BLOCK_N"] <= 0):
+        raise ValueError(f"config: BLOCK_N must be 16/32/64 or a multiple of 128 (whole "
+                         f"weight-scale blocks per tile), got {cfg['BLOCK_N']}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _swizzle(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """Map a linear tile id to (m, n) so that GROUP_M consecutive M tiles share W tiles in L2."""
+    per_group = GROUP_M * num_n
+    group = tile // per_group
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_rows
+    pid_n = (tile % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
+                      stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N] = sum over K blocks of dot(A_blk, W_blk^T) * a_s * w_s.
+
+    `rows` / `cols` are int64 indices already clamped into range (no masks in the loop); scale
+    offsets (kb * stride) stay 32-bit, as a_s has M*K/128 elements. The W
+    tile is addressed as [BLOCK_K, BLOCK_N] with K contiguous (K-major B), which Hopper's FP8
+    wgmma takes directly from shared memory.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None]
+    a_s_ptrs = a_s_ptr + rows * stride_asm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BLOCK_N <= BLOCK_K:
+        # The tile lies inside one 128-column weight-scale block: fold its scalar into a_s.
+        w_s_ptr += (tl.min(cols) // BLOCK_K) * stride_wsn
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+            scale = tl.load(a_s_ptrs + kb * stride_ask) * tl.load(w_s_ptr + kb * stride_wsk)
+            acc += tl.dot(a, w) * scale[:, None]
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    else:
+        w_s_ptrs = w_s_ptr + (cols // BLOCK_K) * stride_wsn
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+            a_s = tl.load(a_s_ptrs + kb * stride_ask)
+            w_s = tl.load(w_s_ptrs + kb * stride_wsk)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N, K,
+                       stride_am, stride_asm, stride_ask,
+                       stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    expert = tl.load(m_idx_ptr + pid_m.to(tl.int64) * BLOCK_M)
+    if expert < 0:  # the whole tile is padding (segments start at multiples of 128)
+        tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        rows = tl.minimum(offs_m, M - 1)
+        cols = tl.minimum(offs_n, N - 1)
+        e = expert.to(tl.int64)
+        acc = _block_scaled_mma(a_ptr, a_s_ptr, w_ptr + e * stride_we, w_s_ptr + e * stride_wse,
+                                rows, cols, K, stride_am, stride_asm, stride_ask,
+                                stride_wn, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K)
+        # Trailing -1 rows of the expert's last tile are padding: exact zeros.
+        row_experts = tl.load(m_idx_ptr + rows)
+        acc = tl.where((row_experts == expert)[:, None], acc, 0.0)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, K,
+                   stride_ae, stride_am, stride_ase, stride_asm, stride_ask,
+                   stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+                   stride_oe, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
+    e = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    valid = tl.minimum(tl.load(masked_m_ptr + e), T)
+    if pid_m * BLOCK_M < valid:  # tiles past masked_m[e] do nothing
+        offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_m, valid - 1)
+        cols = tl.minimum(offs_n, N - 1)
+        acc = _block_scaled_mma(a_ptr + e * stride_ae, a_s_ptr + e * stride_ase,
+                                w_ptr + e * stride_we, w_s_ptr + e * stride_wse,
+                                rows, cols, K, stride_am, stride_asm, stride_ask,
+                                stride_wn, stride_wsn, stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K)
+        out_ptrs = out_ptr + e * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
+        out_mask = (offs_m[:, None] < valid) & (offs_n[None, :] < N)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers (arguments already validated)
+# ----------------------------------------------------------------------------------------------
+def grouped_fp8_gemm_contiguous_triton(a, w, out, m_indices, config: dict | None = None):
+    """Triton launcher of `grouped_fp8_gemm_contiguous` (same arguments, no validation).
+
+    config: optional overrides of `default_config()` (BLOCK_M, BLOCK_N, GROUP_M, num_warps,
+    num_stages); the contiguous layout needs BLOCK_M <= 128.
+    """
+    (a_q, a_s), (w_q, w_s) = a, w
+    M, K = a_q.shape
+    N = w_q.shape[1]
+    if M == 0:
+        return out
+    cfg = _resolve_config(config, None)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _contiguous_kernel[grid](
+        a_q, a_s, w_q, w_s, out, m_indices, M, N, K,
+        a_q.stride(0), a_s.stride(0), a_s.stride(1),
+        w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), w_s.stride(2), out.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=SCALE_BLOCK,
+        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def grouped_fp8_gemm_masked_triton(a, w, out, masked_m, expected_m=None,
+                                   config: dict | None = None):
+    """Triton launcher of `grouped_fp8_gemm_masked` (same arguments, no validation).
+
+    expected_m (typical valid rows per expert) picks the default config; `config` overrides it.
+    """
+    (a_q, a_s), (w_q, w_s) = a, w
+    E, T, K = a_q.shape
+    N = w_q.shape[1]
+    if E == 0 or T == 0:
+        return out
+    cfg = _resolve_config(config, expected_m)
+    grid = (triton.cdiv(T, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)
+    _masked_kernel[grid](
+        a_q, a_s, w_q, w_s, out, masked_m, T, N, K,
+        a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1), a_s.stride(2),
+        w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), w_s.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=SCALE_BLOCK,
+        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# torch references (float32 dequantise-and-matmul, one expert at a time)
+# ----------------------------------------------------------------------------------------------
+def _dequant_rows(a_q: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
+    """[R, K] fp8 with [R, K/128] scales -> float32 [R, K]."""
+    return a_q.float() * a_s.float().repeat_interleave(SCALE_BLOCK, dim=-1)
+
+
+def _dequant_weight(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp8 with [N/128, K/128] block scales -> float32 [N, K]."""
+    s = w_s.float().repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
+    return w_q.float() * s
+
+
+def grouped_fp8_gemm_contiguous_ref(a, w, out, m_indices):
+    """float32 torch reference of `grouped_fp8_gemm_contiguous` (any device; -1 rows -> 0)."""
+    (a_q, a_s), (w_q, w_s) = a, w
+    out[m_indices < 0] = 0
+    for e in range(w_q.shape[0]):
+        rows = (m_indices == e).nonzero().flatten()
+        if rows.numel():
+            y = _dequant_rows(a_q[rows], a_s[rows]) @ _dequant_weight(w_q[e], w_s[e]).t()
+            out[rows] = y.to(out.dtype)
+    return out
+
+
+def grouped_fp8_gemm_masked_ref(a, w, out, masked_m, expected_m=None):
+    """float32 torch reference of `grouped_fp8_gemm_masked` (any device; rows >= masked_m kept)."""
+    (a_q, a_s), (w_q, w_s) = a, w
+    for e, m in enumerate(masked_m.tolist()):
+        m = min(max(m, 0), a_q.shape[1])
+        if m:
+            y = _dequant_rows(a_q[e, :m], a_s[e, :m]) @ _dequant_weight(w_q[e], w_s[e]).t()
+            out[e, :m] = y.to(out.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+def _check_pair(name: str, pair, ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+        raise ValueError(f"{name}: expected a (fp8 tensor, float32 scales) pair, got {type(pair)}")
+    q, s = pair
+    if not isinstance(q, torch.Tensor) or q.dtype != FP8_DTYPE or q.dim() != ndim:
+        raise ValueError(f"{name}[0]: expected a {ndim}-D {FP8_DTYPE} tensor, got "
+                         f"{getattr(q, 'dtype', type(q))} {tuple(getattr(q, 'shape', ()))}")
+    if q.stride(-1) != 1:
+        raise ValueError(f"{name}[0]: the K dimension must be contiguous, strides {q.stride()}")
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
+        raise ValueError(f"{name}[1]: expected float32 scales, got {getattr(s, 'dtype', type(s))}")
+    return q, s
+
+
+def _validate(a, w, out, ndim_a: int):
+    """Common checks; returns (a_q, a_s, w_q, w_s) and the problem sizes."""
+    a_q, a_s = _check_pair("a", a, ndim_a)
+    w_q, w_s = _check_pair("w", w, 3)
+    K = a_q.shape[-1]
+    E, N, Kw = w_q.shape
+    if K % SCALE_BLOCK or K == 0:
+        raise ValueError(f"a[0]: K must be a positive multiple of {SCALE_BLOCK}, got {K}")
+    if Kw != K:
+        raise ValueError(f"w[0]: K ({Kw}) differs from a's K ({K})")
+    if N % SCALE_BLOCK or N == 0:
+        raise ValueError(f"w[0]: N must be a positive multiple of {SCALE_BLOCK}, got {N}")
+    if tuple(a_s.shape) != (*a_q.shape[:-1], K // SCALE_BLOCK):
+        raise ValueError(f"a[1]: expected scales of shape {(*a_q.shape[:-1], K // SCALE_BLOCK)}, "
+                         f"got {tuple(a_s.shape)}")
+    if tuple(w_s.shape) != (E, N // SCALE_BLOCK, K // SCALE_BLOCK):
+        raise ValueError(f"w[1]: expected scales of shape {(E, N // SCALE_BLOCK, K // SCALE_BLOCK)}"
+                         f", got {tuple(w_s.shape)}")
+    if not w_q.is_contiguous():
+        raise ValueError(f"w[0]: must be contiguous, strides {w_q.stride()}")
+    expected_out = (*a_q.shape[:-1], N)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16:
+        raise ValueError(f"out: expected a bfloat16 tensor, got {getattr(out, 'dtype', type(out))}")
+    if tuple(out.shape) != expected_out:
+        raise ValueError(f"out: expected shape {expected_out}, got {tuple(out.shape)}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"out: the N dimension must be contiguous, strides {out.stride()}")
+    return a_q, a_s, w_q, w_s
+
+
+def _check_devices(**tensors):
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def grouped_fp8_gemm_contiguous(a, w, out, m_indices, config: dict | None = None):
+    """Grouped FP8 GEMM over the expert-contiguous layout (DeepGEMM's `..._nt_contiguous`).
+
+    Args:
+        a: (a_q, a_s): a_q float8_e4m3fn [M_sum, K] (K contiguous), a_s float32 [M_sum, K/128]
+            per-row 1x128 scales, any strides (row-major, or MN-major with the M stride padded).
+        w: (w_q, w_s): w_q float8_e4m3fn [E, N, K] contiguous, w_s float32 [E, N/128, K/128]
+            128x128 block scales.
+        out: bfloat16 [M_sum, N] (N contiguous), written in full.
+        m_indices: int32 [M_sum], expert of each row in [0, E) or -1 for padding. Each expert's
+            rows are contiguous and start at a multiple of 128 (not checked: that would sync).
+        config: optional Triton block-config overrides (CUDA only), see `default_config`.
+
+    Returns:
+        out, with out[i] = (a_q[i] * a_s[i]) @ (w_q[e] * w_s[e])^T for e = m_indices[i] >= 0
+        (float32 accumulation), and exact zeros on rows with m_indices[i] == -1.
+    """
+    a_q, a_s, w_q, w_s = _validate(a, w, out, 2)
+    if not isinstance(m_indices, torch.Tensor) or m_indices.dtype != torch.int32:
+        raise ValueError(f"m_indices: expected an int32 tensor, got "
+                         f"{getattr(m_indices, 'dtype', type(m_indices))}")
+    if m_indices.dim() != 1 or m_indices.shape[0] != a_q.shape[0] or not m_indices.is_contiguous():
+        raise ValueError(f"m_indices: expected a contiguous [M_sum={a_q.shape[0]}] tensor, got "
+                         f"shape {tuple(m_indices.shape)}")
+    _check_devices(a_q=a_q, a_s=a_s, w_q=w_q, w_s=w_s, out=out, m_indices=m_indices)
+    _resolve_config(config, None)
+    if a_q.is_cuda:
+        return grouped_fp8_gemm_contiguous_triton((a_q, a_s), (w_q, w_s), out, m_indices, config)
+    return grouped_fp8_gemm_contiguous_ref((a_q, a_s), (w_q, w_s), out, m_indices)
+
+
+def grouped_fp8_gemm_masked(a, w, out, masked_m, expected_m: int | None = None,
+                            config: dict | None = None):
+    """Grouped FP8 GEMM over the masked (batched) layout (DeepGEMM's `..._nt_masked`).
+
+    Args:
+        a: (a_q, a_s): a_q float8_e4m3fn [E, T, K] (K contiguous), a_s float32 [E, T, K/128], any
+            strides (DeepEP's low-latency dispatch gives MN-major scales per expert).
+        w: (w_q, w_s): w_q float8_e4m3fn [E, N, K] contiguous, w_s float32 [E, N/128, K/128].
+        out: bfloat16 [E, T, N] (N contiguous): rows < masked_m[e] of out[e] are written, the
+            others are left untouched.
+        masked_m: int32 [E], valid rows of each expert (values above T are treated as T).
+        expected_m: optional int, typical valid rows per expert; picks the default block config.
+        config: optional Triton block-config overrides (CUDA only), see `default_config`.
+
+    Returns:
+        out, with out[e, i] = (a_q[e, i] * a_s[e, i]) @ (w_q[e] * w_s[e])^T for i < masked_m[e].
+    """
+    a_q, a_s, w_q, w_s = _validate(a, w, out, 3)
+    if a_q.shape[0] != w_q.shape[0]:
+        raise ValueError(f"a[0]: {a_q.shape[0]} experts but w[0] has {w_q.shape[0]}")
+    if not isinstance(masked_m, torch.Tensor) or masked_m.dtype != torch.int32:
+        raise ValueError(f"masked_m: expected an int32 tensor, got "
+                         f"{getattr(masked_m, 'dtype', type(masked_m))}")
+    if tuple(masked_m.shape) != (a_q.shape[0],) or not masked_m.is_contiguous():
+        raise ValueError(f"masked_m: expected a contiguous [E={a_q.shape[0]}] tensor, got shape "
+                         f"{tuple(masked_m.shape)}")
+    if expected_m is not None and (not isinstance(expected_m, int) or expected_m < 0):
+        raise ValueError(f"expected_m: expected a non-negative int or None, got {expected_m!r}")
+    _check_devices(a_q=a_q, a_s=a_s, w_q=w_q, w_s=w_s, out=out, masked_m=masked_m)
+    _resolve_config(config, expected_m)
+    if a_q.is_cuda:
+        return grouped_fp8_gemm_masked_triton((a_q, a_s), (w_q, w_s), out, masked_m, expected_m,
+                                              config)
+    return grouped_fp8_gemm_masked_ref((a_q, a_s), (w_q, w_s), out, masked_m, expected_m)
