@@ -203,12 +203,14 @@ class FusedMoEModularKernel:
         self._validate(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
                        global_num_experts, expert_map, activation, apply_router_weight_on_input)
         M, K = hidden_states.shape
-        if M == 0:
+        pf, experts = self.prepare_finalize, self.experts
+        if M == 0 and pf.num_dispatchers() == 1:
+            # Alone, there is nothing to do. With expert parallelism an empty rank must still take
+            # part in the collective dispatch and combine, or every other rank waits forever.
             return hidden_states.new_empty((0, K))
         E_l, N = w1.shape[0], w2.shape[2]
         topk = topk_ids.shape[1]
 
-        pf, experts = self.prepare_finalize, self.experts
         prep = pf.prepare(hidden_states, topk_weights, topk_ids, global_num_experts, expert_map,
                           apply_router_weight_on_input)
         if prep.topk_ids is not None:

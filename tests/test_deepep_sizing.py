@@ -1,0 +1,149 @@
+"""DeepEP sizing mirrors (pinned values, DeepEP's own hints where it imports) and buffer building."""
+
+import os
+
+import pytest
+import torch.distributed as dist
+from _dist import free_port, run_distributed
+
+from vllm_moe_fixes._compat import deep_ep as compat
+from vllm_moe_fixes.distributed import deepep
+from vllm_moe_fixes.distributed.deepep import (
+    check_low_latency_config,
+    deepep_ll_rdma_bytes,
+    deepep_nvl_bytes,
+    deepep_rdma_bytes,
+    make_all2all_buffer,
+)
+from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
+
+
+def test_ll_hint_pinned():
+    # The contract's example, and the arithmetic spelled out for another shape.
+    assert deepep_ll_rdma_bytes(128, 7168, 2, 256) == 1_908_410_496
+    n, h, e = 256, 4096, 64
+    dispatch, combine = 16 + 2 * h, 4 * (h // 128) + 2 * h
+    send, recv = max(n * dispatch, e * n * combine), e * n * max(dispatch, combine)
+    total = 2 * (send + recv + 256)
+    assert deepep_ll_rdma_bytes(n, h, 8, e) == (total + 128) // 128 * 128
+    assert deepep_ll_rdma_bytes(n, h, 8, e) == deepep_ll_rdma_bytes(n, h, 64, e)  # R unused
+    assert deepep_ll_rdma_bytes(1, 2048, 1, 1) % 128 == 0
+
+
+def test_normal_mode_hints_pinned():
+    # R=2, H=7168 bf16: 10 channels x 2 peers, 256 queued tokens each, of 14336 + 8 + 2048 bytes.
+    slots, tokens = 10 * 2, 10 * 2 * 256
+    raw = slots * 5 * 4 + tokens * (14336 + 8 + 1024 + 512 + 512)
+    assert deepep_nvl_bytes(7168, 2) == (raw + 127) // 128 * 128 == 83_927_552
+    assert deepep_rdma_bytes(7168, 2) == deepep_rdma_bytes(7168, 8) == 0
+    # 16 ranks: two RDMA nodes; dispatch's rdma chunk 128 rounds up to 140 (multiple of 20).
+    cfg = deepep.get_dispatch_config(16)
+    assert cfg.num_max_rdma_chunked_recv_tokens == 140
+    slots = 10 * 2
+    raw = slots * 18 * 2 * 4 + slots * 140 * (14336 + 8 + 1024 + 512 + 512 + 16) * 2
+    assert cfg.get_rdma_buffer_size_hint(14336, 16) == (raw + 127) // 128 * 128
+    assert deepep_rdma_bytes(7168, 16) >= cfg.get_rdma_buffer_size_hint(14336, 16)
+    with pytest.raises(ValueError, match="tuned"):
+        deepep_nvl_bytes(7168, 12)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cfg.get_nvl_buffer_size_hint(14336, 12)
+    with pytest.raises(ValueError, match="tuned"):
+        deepep.get_dispatch_config(6)
+    assert deepep.get_combine_config(96).num_max_nvl_chunked_recv_tokens == 480
+
+
+def test_low_latency_refusals():
+    assert check_low_latency_config(128, 7168, 2, 256) == 1_908_410_496
+    with pytest.raises(ValueError, match=r"hidden=7000 is not supported.*2048"):
+        check_low_latency_config(128, 7000, 2, 256)
+    with pytest.raises(ValueError, match="num_experts=250 is not divisible by the number of ranks 8"):
+        check_low_latency_config(128, 7168, 8, 250)
+    with pytest.raises(ValueError, match=r"2 \* 3 = 6 must be a multiple of 4"):
+        check_low_latency_config(3, 7168, 2, 256)
+    # 32-bit offsets in 16-byte units: about 32 GiB at most.
+    with pytest.raises(ValueError, match=r"needs \d+ bytes .*hint/16 = \d+ >= 2\*\*31"):
+        check_low_latency_config(4096, 7168, 2, 256)
+    with pytest.raises(ValueError, match="positive"):
+        check_low_latency_config(0, 7168, 2, 256)
+
+
+@pytest.fixture
+def gloo_world1():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    deepep._BUFFERS.clear()
+    yield dist.group.WORLD
+    deepep._BUFFERS.clear()
+    dist.destroy_process_group()
+
+
+def test_make_naive_buffer_cached(gloo_world1, monkeypatch):
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "naive")
+    sizes = dict(max_tokens_per_rank=64, hidden=2048, num_experts=8)
+    buf = make_all2all_buffer(None, None, **sizes)
+    assert isinstance(buf, TorchAll2AllBuffer) and buf.low_latency_mode
+    assert buf.num_rdma_bytes == deepep_ll_rdma_bytes(64, 2048, 1, 8)
+    assert make_all2all_buffer("naive", None, **sizes) is buf
+    assert make_all2all_buffer("naive", None, **{**sizes, "max_tokens_per_rank": 128}) is not buf
+
+
+def test_make_buffer_errors(gloo_world1, monkeypatch):
+    sizes = dict(max_tokens_per_rank=64, hidden=7168, num_experts=8)
+    with pytest.raises(ValueError, match="backend='nccl' is not known"):
+        make_all2all_buffer("nccl", None, **sizes)
+    with pytest.raises(ValueError, match="hidden=0"):
+        make_all2all_buffer("naive", None, **{**sizes, "hidden": 0})
+    with pytest.raises(ValueError, match="hidden=7000 is not supported"):
+        make_all2all_buffer("deepep_low_latency", None, **{**sizes, "hidden": 7000})
+    with pytest.raises(ValueError, match="hint/16"):
+        make_all2all_buffer("deepep_low_latency", None, **{**sizes, "max_tokens_per_rank": 4096,
+                                                            "num_experts": 256})
+    with pytest.raises(ValueError, match="num_ranks=1 has no tuned DeepEP config"):
+        make_all2all_buffer("deepep_high_throughput", None, **sizes)
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="VLLM_ALL2ALL_BACKEND"):
+        make_all2all_buffer(None, None, **sizes)
+
+
+@pytest.mark.skipif(compat.is_available(), reason="deep_ep is installed here")
+def test_deepep_backend_without_deep_ep(gloo_world1, monkeypatch):
+    sizes = dict(max_tokens_per_rank=64, hidden=7168, num_experts=8)
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "deepep_low_latency")
+    with pytest.raises(ImportError, match="VLLM_ALL2ALL_BACKEND=deepep_low_latency needs DeepEP"):
+        make_all2all_buffer(None, None, **sizes)
+    assert not compat.is_available()
+
+
+def _high_throughput_worker(rank, world):
+    sizes = dict(max_tokens_per_rank=64, hidden=7168, num_experts=8)
+    os.environ["VLLM_DEEPEP_BUFFER_SIZE_MB"] = "8"
+    with pytest.raises(ValueError, match=r"VLLM_DEEPEP_BUFFER_SIZE_MB=8 gives 8388608 .* needs \d+"):
+        make_all2all_buffer("deepep_high_throughput", None, **sizes)
+    with pytest.raises(ValueError, match="num_experts=9 is not divisible by the number of ranks 2"):
+        make_all2all_buffer("deepep_high_throughput", None, **{**sizes, "num_experts": 9})
+    os.environ["VLLM_DEEPEP_BUFFER_SIZE_MB"] = "1024"
+    if not compat.is_available():
+        with pytest.raises(ImportError, match="VLLM_ALL2ALL_BACKEND=deepep_high_throughput needs DeepEP"):
+            make_all2all_buffer("deepep_high_throughput", None, **sizes)
+
+
+def test_high_throughput_buffer_checks():
+    run_distributed(_high_throughput_worker, 2)
+
+
+def _world_sizes():
+    return [2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160]
+
+
+@pytest.mark.deep_ep
+def test_hints_match_deep_ep():
+    buffer_cls = compat.require("deepep_low_latency").Buffer
+    for n in (1, 64, 128, 256):
+        for h in (2048, 4096, 7168, 8192):
+            for r, e in ((2, 32), (8, 256), (16, 256), (128, 256), (160, 320)):
+                assert deepep_ll_rdma_bytes(n, h, r, e) == \
+                    buffer_cls.get_low_latency_rdma_size_hint(n, h, r, e), (n, h, r, e)
+    for r in _world_sizes():
+        for h in (2048, 7168):
+            cfgs = (buffer_cls.get_dispatch_config(r), buffer_cls.get_combine_config(r))
+            assert deepep_nvl_bytes(h, r) == max(c.get_nvl_buffer_size_hint(h * 2, r) for c in cfgs), (h, r)
+            assert deepep_rdma_bytes(h, r) == max(c.get_rdma_buffer_size_hint(h * 2, r) for c in cfgs), (h, r)

@@ -1,0 +1,164 @@
+"""Expert-parallel prepare/finalize over a DeepEP-API buffer (deep_ep.Buffer or TorchAll2AllBuffer).
+
+High-throughput (STANDARD format): quantise to FP8 (1x128) on the source rank, send each token once
+to every rank holding one of its experts (``get_dispatch_layout`` + ``dispatch``), run the
+contiguous experts on what arrived, then weight, ``moe_sum`` and ``combine`` back:
+
+    a1 [M, K] bf16 --quant--> (fp8 [M, K], f32 [M, K/128]) --dispatch--> (fp8 [M', K], f32 [M', K/128]),
+        received ids (local, -1 = elsewhere) -> global ids (+ rank_expert_offset), weights (0 at -1)
+    experts -> [M', k, K] --(-1 slots := 0) * weights, moe_sum--> [M', K] --combine--> output [M, K]
+
+Low-latency (BATCHED format): ``low_latency_dispatch`` builds the masked layout [E_l, R*N, K] with
+per-expert valid-row counts; the batched experts compute those rows; ``low_latency_combine``
+applies the weights, reduces and writes the caller's output.
+
+One object serves one layer call at a time: prepare keeps the dispatch handle for finalize.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moe_fixes.fused_moe.batched_experts import quant_batched_fp8
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, PrepareAndFinalize, PrepareResult
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.ops.moe_sum import moe_sum
+
+BLOCK = 128
+
+
+def _check_count(name: str, value) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def _weighted_input(a1: torch.Tensor, topk_weights: torch.Tensor, on_input: bool) -> torch.Tensor:
+    """a1 * weight (k == 1) when the router weight goes on the input, else a1."""
+    return a1 * topk_weights.to(a1.dtype) if on_input else a1
+
+
+class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
+    """DeepEP high-throughput (normal-mode) dispatch/combine; STANDARD activation format.
+
+    Arguments:
+        buffer: a ``deep_ep.Buffer`` or ``TorchAll2AllBuffer`` over the expert-parallel group.
+        num_dispatchers: ranks in that group (R).
+        rank_expert_offset: global id of this rank's first expert (rank * E_local): added to the
+            received local ids so the experts see global ids (with the caller's expert_map).
+    """
+
+    activation_format = ActivationFormat.STANDARD
+
+    def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int) -> None:
+        _check_count("num_dispatchers", num_dispatchers)
+        if not isinstance(rank_expert_offset, int) or rank_expert_offset < 0:
+            raise ValueError(f"rank_expert_offset={rank_expert_offset!r} must be an int >= 0")
+        self.buffer = buffer
+        self._num_dispatchers = num_dispatchers
+        self.rank_expert_offset = rank_expert_offset
+        self.num_recv_tokens_per_expert: list[int] | None = None  # of the last prepare
+        self._handle = None
+
+    def num_dispatchers(self) -> int:
+        return self._num_dispatchers
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input) -> PrepareResult:
+        """a1 bf16 [M, K] (M may be 0), topk_weights f32 [M, k], topk_ids int64 [M, k] global ids.
+
+        Returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the M' tokens received,
+        topk_ids int64 [M', k] GLOBAL ids of experts on this rank (-1 elsewhere) and topk_weights
+        f32 [M', k] (0 at -1). The per-local-expert received counts are kept in
+        ``num_recv_tokens_per_expert``.
+        """
+        if num_experts % self._num_dispatchers:
+            raise ValueError(f"num_experts={num_experts} is not divisible by num_dispatchers="
+                             f"{self._num_dispatchers}")
+        a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input)
+        a1q, a1s = per_token_group_quant_fp8(a1, BLOCK)
+        topk_ids = topk_ids.contiguous()
+        per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_ids, num_experts)
+        (recv_q, recv_s), recv_ids, recv_w, counts, handle, _ = self.buffer.dispatch(
+            (a1q, a1s), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_ids,
+            topk_weights=topk_weights.float().contiguous())
+        self._handle = handle
+        self.num_recv_tokens_per_expert = counts
+        global_ids = torch.where(recv_ids >= 0, recv_ids + self.rank_expert_offset, recv_ids)
+        return PrepareResult(a1q=recv_q, a1q_scale=recv_s, topk_ids=global_ids, topk_weights=recv_w)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input) -> None:
+        """fused_expert_output [M', k, K] (modified in place): -1 slots set to exact zeros (a zero
+        weight would not cancel NaN garbage), times the weights, summed over k, combined back to
+        the source ranks and copied into output [M, K]."""
+        if self._handle is None:
+            raise ValueError("finalize called without a preceding prepare")
+        fused_expert_output.masked_fill_((topk_ids < 0).unsqueeze(-1), 0)
+        if not apply_router_weight_on_input:
+            fused_expert_output.mul_(topk_weights.unsqueeze(-1))  # float32 math, bf16 result
+        reduced = moe_sum(fused_expert_output)
+        combined, _, _ = self.buffer.combine(reduced, self._handle)
+        self._handle = None
+        output.copy_(combined)
+
+
+class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
+    """DeepEP low-latency dispatch/combine; BATCHED activation format [E_l, R*N, K].
+
+    Arguments:
+        buffer: a low-latency ``deep_ep.Buffer`` or ``TorchAll2AllBuffer(low_latency_mode=True)``
+            sized for at least (max_tokens_per_rank, K, R, E).
+        num_dispatchers: ranks in the group (R).
+        max_tokens_per_rank: N, tokens per rank per call (identical on every rank).
+        use_fp8_dispatch: quantise inside the dispatch (DeepEP's cast); else send bf16 and
+            quantise the received slices here.
+    """
+
+    activation_format = ActivationFormat.BATCHED
+
+    def __init__(self, buffer, *, num_dispatchers: int, max_tokens_per_rank: int,
+                 use_fp8_dispatch: bool = True) -> None:
+        _check_count("num_dispatchers", num_dispatchers)
+        _check_count("max_tokens_per_rank", max_tokens_per_rank)
+        self.buffer = buffer
+        self._num_dispatchers = num_dispatchers
+        self.max_tokens_per_rank_ = max_tokens_per_rank
+        self.use_fp8_dispatch = use_fp8_dispatch
+        self._handle = None
+
+    def num_dispatchers(self) -> int:
+        return self._num_dispatchers
+
+    def max_num_tokens_per_rank(self) -> int:
+        return self.max_tokens_per_rank_
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input) -> PrepareResult:
+        """a1 bf16 [M, K] with M <= max_tokens_per_rank; topk_ids int64 [M, k] global ids.
+
+        Returns a1q fp8 [E_l, R*N, K], a1q_scale f32 [E_l, R*N, K/128] (MN-major per expert) and
+        expert_num_tokens int32 [E_l]; rows past a count are undefined. expert_map is not used:
+        DeepEP places expert g on rank g // E_l.
+        """
+        n = self.max_tokens_per_rank_
+        if a1.shape[0] > n:
+            raise ValueError(f"{a1.shape[0]} tokens exceed max_tokens_per_rank={n}")
+        a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input).contiguous()
+        recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
+            a1, topk_ids.contiguous(), n, num_experts, use_fp8=self.use_fp8_dispatch)
+        self._handle = handle
+        a1q, a1s = recv_x if self.use_fp8_dispatch else quant_batched_fp8(recv_x)
+        return PrepareResult(a1q=a1q, a1q_scale=a1s, expert_num_tokens=counts)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input) -> None:
+        """fused_expert_output bf16 [E_l, R*N, K] (valid rows only are read): combined with the
+        weights (ones when they went on the input) straight into output [M, K]."""
+        if self._handle is None:
+            raise ValueError("finalize called without a preceding prepare")
+        weights = torch.ones_like(topk_weights, dtype=torch.float32) if apply_router_weight_on_input \
+            else topk_weights.float().contiguous()
+        self.buffer.low_latency_combine(fused_expert_output, topk_ids.contiguous(), weights,
+                                        self._handle, out=output)
+        self._handle = None
