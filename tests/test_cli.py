@@ -1,0 +1,184 @@
+"""The vllm-moe-fixes command line, run in-process through main(argv) (plus one subprocess)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vllm_moe_fixes import cli
+from vllm_moe_fixes.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_EP = importlib.util.find_spec("vllm_moe_fixes.fused_moe.deepep_prepare_finalize") is not None
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in cli.envs.REGISTRY:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_check(capsys):
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    for word in ("torch", "triton", "deep_ep", "deep_gemm", "experts:", "all-to-all:",
+                 *cli.envs.REGISTRY):
+        assert word in out
+
+
+def test_check_bad_env_value(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_MOE_DP_CHUNK_SIZE", "-3")
+    assert main(["check"]) == 2
+    out = capsys.readouterr().out
+    assert "ERROR" in out and "VLLM_MOE_DP_CHUNK_SIZE='-3'" in out
+
+
+def test_check_unavailable_backend_is_a_problem(monkeypatch, capsys):
+    if cli._optional("deep_ep")[0]:
+        pytest.skip("deep_ep is installed here")
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "deepep_low_latency")
+    assert main(["check"]) == 2
+    assert "needs DeepEP" in capsys.readouterr().out
+
+
+def test_check_subprocess():
+    env = {k: v for k, v in os.environ.items() if k not in cli.envs.REGISTRY}
+    res = subprocess.run([sys.executable, "-m", "vllm_moe_fixes", "check"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "VLLM_ALL2ALL_BACKEND = 'naive'" in res.stdout
+
+
+def test_plan_json(capsys):
+    start = time.perf_counter()
+    assert main(["plan", "--model", "deepseek-r1", "--dp", "128", "--max-tokens", "128",
+                 "--backend", "deepep_low_latency", "--json"]) == 0
+    assert time.perf_counter() - start < 2.0
+    plan = json.loads(capsys.readouterr().out)
+    assert {"model", "dp", "ep", "max_tokens", "backend", "loads", "deepep", "flags",
+            "elapsed_s"} <= set(plan)
+    assert plan["ep"] == 128 and plan["model"]["name"] == "deepseek-r1"
+    for kind in ("zero", "random"):
+        assert {"busiest_slots", "mean_slots", "imbalance", "layer_bytes",
+                "memory_bytes"} <= set(plan["loads"][kind])
+    assert plan["flags"]["fixed_rdma_below_ll_hint"]["raised"]  # the seed's fixed 1 GiB at DP=128
+    assert plan["deepep"]["ll_rdma_hint_bytes"] == 1_908_410_496
+
+
+def test_plan_table_defaults_from_env(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_MOE_DP_CHUNK_SIZE", "64")
+    monkeypatch.setenv("VLLM_RANDOMIZE_DP_DUMMY_INPUTS", "1")
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--dp", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "busiest / mean" in out and "max tokens/rank=64" in out
+    assert "dummy ids in effect now: random" in out and "[ ok ]" in out
+
+
+def test_plan_json_file(tmp_path, capsys):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"hidden_size": 2048, "moe_intermediate_size": 512,
+                                "num_experts": 64, "top_k": 6, "vocab_size": 50000,
+                                "num_layers": 4}))
+    assert main(["plan", "--model", str(path), "--dp", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["name"] == "mine"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["plan", "--model", "nope", "--dp", "8"], "unknown model"),
+    (["plan", "--model", "mixtral-8x7b", "--dp", "16"], "ep=16"),
+])
+def test_plan_errors(argv, match, capsys):
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_demo_single_process(capsys):
+    assert main(["demo", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "calc_diff" in out and "peak" in out and "NoEPPrepareAndFinalize" in out
+
+
+def test_demo_fails_when_check_fails(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "DEMO_TOLERANCE", 0.0)
+    assert main(["demo", "--reps", "0", "--tokens", "5", "--hidden", "256", "--experts", "4",
+                 "--topk", "2", "--intermediate", "128"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["demo", "--hidden", "100"], "--hidden"),
+    (["demo", "--experts", "6", "--world-size", "4"], "--experts"),
+    (["demo", "--topk", "17"], "--topk"),
+    (["demo", "--tokens", "0"], "--tokens"),
+    (["demo", "--low-latency", "--backend", "deepep_high_throughput"], "--low-latency"),
+])
+def test_demo_bad_arguments(argv, match, capsys):
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_EP, reason="the EP prepare/finalize module is not there yet")
+def test_demo_world_size_2_gloo(capsys):
+    assert main(["demo", "--world-size", "2", "--cpu", "--reps", "1", "--tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "rank 1" in out and "DeepEPHTPrepareAndFinalize" in out
+    # DeepEP's low-latency kernels (and so the naive buffer) take only some hidden sizes.
+    assert main(["demo", "--world-size", "2", "--cpu", "--reps", "0", "--tokens", "8",
+                 "--hidden", "2048", "--intermediate", "128", "--experts", "8", "--topk", "2",
+                 "--low-latency"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "DeepEPLLPrepareAndFinalize + BatchedTritonExperts" in out
+
+
+def test_demo_bad_env_value(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "carrier-pigeon")
+    assert main(["demo"]) == 2
+    assert "VLLM_ALL2ALL_BACKEND" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_demo_gpu(capsys):
+    assert main(["demo", "--hidden", "7168", "--intermediate", "512", "--experts", "8",
+                 "--topk", "4", "--tokens", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "on GPU" in out and "PASS" in out and "MiB over inputs" in out
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("extra", [[], ["--low-latency", "--hidden", "2048"]])
+def test_demo_two_gpus_nccl(extra, capsys):
+    assert main(["demo", "--world-size", "2", "--tokens", "128", *extra]) == 0
+    out = capsys.readouterr().out
+    assert "2 GPU(s), NCCL" in out and "PASS" in out
+
+
+def test_bench_without_gpu_or_plots(tmp_path, capsys):
+    import torch
+    (tmp_path / "results").mkdir()
+    if not torch.cuda.is_available():
+        assert main(["bench", "--dir", str(tmp_path)]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    (tmp_path / "results" / "bench_x.json").write_text(json.dumps(
+        {"rows": [{"M": 256, "K": 7168, "GB/s": 100.0, "copy_GB/s": 200.0},
+                  {"M": 4096, "K": 7168, "GB/s": 1000.0, "copy_GB/s": 2000.0}]}))
+    assert main(["bench", "--plot-only", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in out
+    else:
+        assert (tmp_path / "results" / "bench_x.png").is_file()
+
+
+def test_series_extraction():
+    labels, series, unit = cli._series({"results": [
+        {"groups": 4, "rows": 8192, "N": 4096, "K": 7168, "triton_tflops": 900.0,
+         "deepgemm_tflops": None}]})
+    assert labels == ["4x8192x4096x7168"] and unit.startswith("TFLOP/s")
+    assert series["triton_tflops"] == [900.0]
+    assert cli._series({"rows": []}) is None
+    labels, series, unit = cli._series({"results": {"ht_dispatch_fp8": {"us": 256.0, "GBps": 236.0}}})
+    assert labels == ["ht_dispatch_fp8"] and series == {"GBps": [236.0]} and unit.startswith("GB/s")

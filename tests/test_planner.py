@@ -1,0 +1,197 @@
+"""Model presets, the routing simulation and the per-rank plan."""
+
+import dataclasses
+import json
+import time
+
+import numpy as np
+import pytest
+
+from vllm_moe_fixes.config import PRESETS, MoEModelConfig, config_from_dict, load_model_config
+from vllm_moe_fixes.planner import SimulatedRouter, make_plan, simulate_loads
+
+R1 = PRESETS["deepseek-r1"]
+
+
+# ------------------------------------------------------------------------------------- config
+def test_presets_have_public_shapes():
+    assert (R1.hidden_size, R1.moe_intermediate_size, R1.num_experts, R1.top_k) == (7168, 2048, 256, 8)
+    assert (R1.n_group, R1.topk_group, R1.scoring, R1.vocab_size) == (8, 4, "sigmoid", 129280)
+    assert PRESETS["deepseek-v3"].to_dict() | {"name": "x"} == R1.to_dict() | {"name": "x"}
+    assert PRESETS["mixtral-8x7b"].num_experts == 8 and PRESETS["mixtral-8x7b"].top_k == 2
+    assert PRESETS["qwen3-30b-a3b"].hidden_size == 2048
+    assert PRESETS["qwen3-235b-a22b"].num_moe_layers == 94
+    assert set(PRESETS) == {"deepseek-v3", "deepseek-r1", "qwen3-30b-a3b", "qwen3-235b-a22b",
+                            "mixtral-8x7b"}
+
+
+def test_json_config_round_trip(tmp_path):
+    path = tmp_path / "tiny.json"
+    fields = {k: v for k, v in R1.to_dict().items() if k != "name"}
+    path.write_text(json.dumps(fields))
+    cfg = load_model_config(str(path))
+    assert cfg.name == "tiny" and cfg.to_dict() | {"name": "deepseek-r1"} == R1.to_dict()
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"hidden_size": 0}, "hidden_size"),
+    ({"top_k": "8"}, "top_k"),
+    ({"scoring": "relu"}, "scoring"),
+    ({"n_group": 7}, "n_group"),
+    ({"topk_group": 9}, "topk_group"),
+    ({"top_k": 129, "topk_group": 4}, "top_k"),
+    ({"num_dense_layers": 61}, "num_dense_layers"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_json_config_validation(change, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict({**R1.to_dict(), **change})
+
+
+def test_json_config_missing_field_and_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="missing.*vocab_size"):
+        config_from_dict({"hidden_size": 1024, "moe_intermediate_size": 256, "num_experts": 8,
+                          "top_k": 2, "num_layers": 2})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_model_config(str(bad))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_model_config(str(tmp_path / "absent.json"))
+    with pytest.raises(ValueError, match="unknown model 'gpt-9'"):
+        load_model_config("gpt-9")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_model_config(str(tmp_path / "list.json"))
+
+
+# ------------------------------------------------------------------------------------ routing
+def test_grouped_routing_respects_groups():
+    router = SimulatedRouter(R1, seed=3)
+    ids = np.random.default_rng(0).integers(0, R1.vocab_size, 500)
+    topk = router.route(ids)
+    assert topk.shape == (500, 8) and topk.dtype == np.int64
+    assert all(len(set(row)) == 8 for row in topk)  # distinct experts
+    groups = topk // (R1.num_experts // R1.n_group)
+    assert max(len(set(row)) for row in groups) <= R1.topk_group
+    # Equal ids route alike.
+    again = router.route(np.concatenate([ids[:5], ids[:5]]))
+    assert np.array_equal(again[:5], again[5:])
+
+
+@pytest.mark.parametrize("name, ep", [("deepseek-r1", 32), ("qwen3-30b-a3b", 16), ("mixtral-8x7b", 8)])
+def test_zero_ids_concentrate_on_the_ranks_of_k_experts(name, ep):
+    cfg = PRESETS[name]
+    router = SimulatedRouter(cfg, seed=0)
+    tokens = 4096
+    loads = simulate_loads(router, ep=ep, num_tokens=tokens, inputs="zero")
+    experts = router.route(np.zeros(1, dtype=np.int64))[0]
+    ranks = set((experts // (cfg.num_experts // ep)).tolist())
+    assert set(np.flatnonzero(loads.slots).tolist()) == ranks
+    assert loads.slots.sum() == tokens * cfg.top_k
+    assert all(loads.tokens[r] == tokens for r in ranks)  # every token visits each of those ranks
+    imbalance = loads.slots.max() / loads.slots.mean()
+    assert imbalance >= ep / cfg.top_k  # at least EP/k worse than perfect balance
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_ids_balance_deepseek_r1_ep32(seed):
+    plan = make_plan(R1, dp=32, max_tokens=256, backend="naive", seed=seed)
+    random, zero = plan["loads"]["random"], plan["loads"]["zero"]
+    assert random["imbalance"] <= 1.25
+    assert zero["imbalance"] >= 4.0  # the all-zero figure: >= EP/k
+    assert random["mean_slots"] == zero["mean_slots"] == 32 * 256 * 8 / 32
+    assert sum(random["slots_per_rank"]) == pytest.approx(32 * 256 * 8, rel=1e-3)
+
+
+def test_simulation_is_deterministic():
+    a = make_plan(R1, dp=8, seed=5)["loads"]["random"]["slots_per_rank"]
+    b = make_plan(R1, dp=8, seed=5)["loads"]["random"]["slots_per_rank"]
+    c = make_plan(R1, dp=8, seed=6)["loads"]["random"]["slots_per_rank"]
+    assert a == b and a != c
+
+
+# --------------------------------------------------------------------------------------- plan
+def test_plan_flags_seed_failure_modes():
+    # DP=128 low latency with the seed's fixed 1 GiB RDMA buffer: below DeepEP's hint.
+    plan = make_plan(R1, dp=128, max_tokens=128, backend="deepep_low_latency")
+    flags = {name: f["raised"] for name, f in plan["flags"].items()}
+    assert plan["deepep"]["ll_rdma_hint_bytes"] == 1_908_410_496  # contracts/deep_ep.md's example
+    assert flags["fixed_rdma_below_ll_hint"]
+    assert not flags["ll_offset_limit"] and not flags["ll_unsupported_hidden"]
+    assert plan["layout"] == "batched"
+    # Past the LL 32-bit offset limit (hint/16 >= 2**31) and int32 element counts.
+    big = make_plan(R1, dp=32, max_tokens=8192, backend="naive")
+    assert big["flags"]["ll_offset_limit"]["raised"]
+    assert big["flags"]["int32_overflow_zero_inputs"]["raised"]
+    assert big["loads"]["zero"]["largest_tensor"]["elements"] >= 2**31
+    # Unsupported LL hidden size.
+    odd = config_from_dict({**R1.to_dict(), "hidden_size": 1024, "name": "odd"})
+    assert make_plan(odd, dp=8)["flags"]["ll_unsupported_hidden"]["raised"]
+
+
+def test_plan_oom_flag_zero_vs_random():
+    plan = make_plan(R1, dp=32, max_tokens=4096, backend="naive")
+    zero, random = plan["loads"]["zero"]["memory_bytes"], plan["loads"]["random"]["memory_bytes"]
+    assert zero > 1.5 * random
+    budget = (zero + random) / 2 / 2**30
+    flagged = make_plan(R1, dp=32, max_tokens=4096, backend="naive", gpu_memory_gib=budget)["flags"]
+    assert flagged["dummy_run_oom_zero_inputs"]["raised"]
+    assert not flagged["dummy_run_oom_random_inputs"]["raised"]
+
+
+def test_workspace_model_matches_the_experts():
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from vllm_moe_fixes.fused_moe.experts import TritonExperts
+    plan = make_plan(R1, dp=16, max_tokens=256, backend="naive")
+    El, K, I, k = 16, 7168, 2048, 8
+    for kind in ("zero", "random"):
+        tokens = plan["loads"][kind]["busiest_tokens"]
+        ws13, ws2, out = TritonExperts().workspace_shapes(tokens, I, K, k, El)
+        got = plan["loads"][kind]["layer_bytes"]
+        assert got["workspace13"] == ws13[0] * ws13[1] * 2
+        assert got["workspace2"] == ws2[0] * ws2[1] * 2
+        assert out[0] * out[1] * out[2] <= ws13[0] * ws13[1]  # the output lives inside ws13
+    from vllm_moe_fixes.fused_moe.batched_experts import BatchedTritonExperts
+    plan = make_plan(R1, dp=16, max_tokens=128, backend="deepep_low_latency")
+    ws13, ws2, out = BatchedTritonExperts().workspace_shapes(16 * 128, I, K, k, El)
+    for kind in ("zero", "random"):
+        got = plan["loads"][kind]["layer_bytes"]
+        assert got["workspace13"] == ws13[0] * ws13[1] * ws13[2] * 2
+        assert got["workspace2"] == ws2[0] * ws2[1] * ws2[2] * 2
+
+
+def test_plan_is_fast_for_every_preset():
+    for name, cfg in PRESETS.items():
+        for dp in (1, 8, 128 if cfg.num_experts % 128 == 0 else 8):
+            start = time.perf_counter()
+            plan = make_plan(cfg, dp=dp)
+            assert time.perf_counter() - start < 2.0, (name, dp)
+            assert plan["elapsed_s"] < 2.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dp": 32, "ep": 3}, "ep=3"),
+    ({"dp": 8, "ep": 16}, "ep=16"),
+    ({"dp": 0}, "dp"),
+    ({"dp": 8, "max_tokens": 0}, "max_tokens"),
+    ({"dp": 8, "backend": "mpi"}, "backend"),
+    ({"dp": 8, "gpu_memory_gib": 0}, "gpu_memory_gib"),
+])
+def test_plan_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_plan(R1, **kwargs)
+
+
+def test_simulate_loads_bad_arguments():
+    router = SimulatedRouter(PRESETS["mixtral-8x7b"])
+    with pytest.raises(ValueError, match="ep=3"):
+        simulate_loads(router, ep=3, num_tokens=10, inputs="zero")
+    with pytest.raises(ValueError, match="inputs"):
+        simulate_loads(router, ep=2, num_tokens=10, inputs="ones")
+
+
+def test_config_dataclass_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        R1.hidden_size = 1  # type: ignore[misc]
+    assert isinstance(R1, MoEModelConfig)

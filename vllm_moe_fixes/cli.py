@@ -1,0 +1,535 @@
+"""``vllm-moe-fixes``: check the install, plan a DP/EP configuration, run one MoE layer, benchmark.
+
+    vllm-moe-fixes check                       versions, GPU, optional libraries, env values, backends
+    vllm-moe-fixes plan --model deepseek-r1 --dp 32 [--ep N] [--max-tokens T] [--backend B] [--json]
+    vllm-moe-fixes demo [--world-size N] [--tokens M] [--seed S]   one layer vs the reference
+    vllm-moe-fixes bench [--only AREA] [--plot-only]              benchmarks/ scripts + PNG plots
+
+Also ``python -m vllm_moe_fixes``. Exit status: 0 success, 1 a failed demo check or benchmark,
+2 a bad argument or environment value, or a backend the environment asks for that cannot run.
+Heavy imports (torch, Triton, the kernels) happen inside the subcommand that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vllm_moe_fixes import envs
+
+DEMO_TOLERANCE = 4e-3
+BENCH_AREAS = {"quant": "bench_quant.py", "moe_sum": "bench_moe_sum.py",
+               "grouped_gemm": "bench_grouped_gemm.py", "experts": "bench_experts.py",
+               "all2all": "bench_all2all.py"}
+
+
+# Series whose name holds one of these are anchors (copy ceiling, torch, DeepGEMM, figures.md...):
+# drawn dashed beside our kernels' solid lines.
+ANCHOR_WORDS = ("copy", "torch", "deepgemm", "figure", "scaled_mm", "bf16", "vllm", "deepep")
+
+
+class UsageError(Exception):
+    """A problem with the arguments or the environment: printed, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------ check
+def _version(module_name: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(module_name.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return "version unknown"
+
+
+def _optional(name: str) -> tuple[bool, str]:
+    """(available, description) of an optional library through its _compat module."""
+    import importlib
+    try:
+        compat = importlib.import_module(f"vllm_moe_fixes._compat.{name}")
+    except ImportError as e:
+        return False, f"cannot tell (vllm_moe_fixes._compat.{name} missing: {e})"
+    if compat.is_available():
+        mod = sys.modules.get(name)
+        return True, f"available ({getattr(mod, '__version__', None) or _version(name)})"
+    return False, "not installed"
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import torch
+
+    problems = []
+    print(f"{'python':<10}{platform.python_version()} ({sys.executable})")
+    print(f"{'torch':<10}{torch.__version__}")
+    try:
+        import triton
+        print(f"{'triton':<10}{triton.__version__}")
+    except ImportError as e:
+        print(f"{'triton':<10}not importable: {e}")
+        problems.append("triton does not import: the Triton kernels cannot run on a GPU")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"{'gpu ' + str(i):<10}{p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB")
+    else:
+        print(f"{'gpu':<10}none (CPU tensors run the torch reference of every op)")
+    has_ep, ep_text = _optional("deep_ep")
+    has_gemm, gemm_text = _optional("deep_gemm")
+    print(f"{'deep_ep':<10}{ep_text}")
+    print(f"{'deep_gemm':<10}{gemm_text}")
+
+    print("\nenvironment variables (effective values):")
+    values = {}
+    for name, var in envs.REGISTRY.items():
+        try:
+            values[name] = var.read()
+            shown = repr(values[name])
+        except ValueError as e:
+            shown = f"ERROR: {e}"
+            problems.append(str(e))
+        print(f"  {name} = {shown}    [{var.allowed}; default {var.default!r}] {var.help}")
+
+    print("\nwhat would run:")
+    if "VLLM_USE_DEEP_GEMM" in values:
+        if not values["VLLM_USE_DEEP_GEMM"]:
+            print("  experts: TritonExperts / BatchedTritonExperts (grouped FP8 GEMM in Triton"
+                  + (")" if torch.cuda.is_available() else "; torch reference on CPU)"))
+        elif has_gemm:
+            print("  experts: DeepGemmExperts / BatchedDeepGemmExperts (TritonExperts for shapes "
+                  "whose N or K is not a multiple of 128)")
+        else:
+            print("  experts: none: VLLM_USE_DEEP_GEMM=1 but DeepGEMM is not importable")
+            problems.append("VLLM_USE_DEEP_GEMM=1 but DeepGEMM is not importable: build it from "
+                            "source or set VLLM_USE_DEEP_GEMM=0")
+    backend = values.get("VLLM_ALL2ALL_BACKEND")
+    if backend == "naive":
+        print("  all-to-all: naive (TorchAll2AllBuffer on torch.distributed: NCCL on GPUs, gloo on "
+              "CPU) with the high-throughput prepare/finalize; none on a single rank")
+    elif backend is not None:
+        mode = "high-throughput" if backend == "deepep_high_throughput" else "low-latency"
+        if has_ep:
+            print(f"  all-to-all: DeepEP {mode} (deep_ep.Buffer); none on a single rank")
+        else:
+            print(f"  all-to-all: none: VLLM_ALL2ALL_BACKEND={backend} but DeepEP is not importable")
+            problems.append(f"VLLM_ALL2ALL_BACKEND={backend} needs DeepEP, which is not "
+                            "importable: build it from source or set VLLM_ALL2ALL_BACKEND=naive")
+    if problems:
+        print("\nproblems:", *(f"  - {p}" for p in problems), sep="\n")
+        return 2
+    print("\nok")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- plan
+def cmd_plan(args: argparse.Namespace) -> int:
+    from vllm_moe_fixes.config import load_model_config
+    from vllm_moe_fixes.planner import format_plan, make_plan
+
+    try:
+        cfg = load_model_config(args.model)
+        plan = make_plan(cfg, dp=args.dp, ep=args.ep, max_tokens=args.max_tokens,
+                         backend=args.backend, gpu_memory_gib=args.gpu_memory_gib, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- demo
+def calc_diff(x, y) -> float:
+    """DeepGEMM's similarity measure: 1 - 2<x, y> / (<x, x> + <y, y>), in float64 (0 = equal)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+
+
+def _demo_problem(args: argparse.Namespace, num_tokens: int):
+    """The global problem, identical on every rank: (x bf16 [T, K], (w1q, w1s), (w2q, w2s),
+    topk_weights f32 [T, k], topk_ids int64 [T, k]) on the CPU, from args.seed."""
+    import torch
+
+    from vllm_moe_fixes.fused_moe.routing import fused_topk, quant_block_fp8
+
+    K, I, E = args.hidden, args.intermediate, args.experts
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(num_tokens, K, generator=g).to(torch.bfloat16)
+    w1 = quant_block_fp8(torch.randn(E, 2 * I, K, generator=g) / K ** 0.5)
+    w2 = quant_block_fp8(torch.randn(E, K, I, generator=g) / I ** 0.5)
+    topk_weights, topk_ids = fused_topk(torch.randn(num_tokens, E, generator=g), args.topk, True)
+    return x, w1, w2, topk_weights, topk_ids
+
+
+def _time_calls(fn, device, reps: int):
+    """(seconds of a first call, [seconds of each of ``reps`` more], the last result), timed with
+    device synchronisation."""
+    import torch
+
+    def once():
+        start = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start, out
+
+    first, out = once()
+    return first, [once()[0] for _ in range(reps)], out
+
+
+def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> dict:
+    """Build and run the layer for one rank; returns its measurements (and the check)."""
+    import torch
+
+    from vllm_moe_fixes.fused_moe.experts import select_experts
+    from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
+    from vllm_moe_fixes.fused_moe.routing import moe_reference
+
+    M, E = args.tokens, args.experts
+    x, (gw1q, gw1s), (gw2q, gw2s), weights, ids = _demo_problem(args, M * world_size)
+    mine = slice(rank * M, (rank + 1) * M)
+    x, weights, ids = x[mine], weights[mine], ids[mine]
+    # The reference sees every expert (the global weights) and this rank's tokens.
+    ref = moe_reference(x, gw1q, gw2q, weights, ids, w1_scale=gw1s, w2_scale=gw2s)
+    E_l = E // world_size
+    local = slice(rank * E_l, (rank + 1) * E_l)
+    w1q, w1s, w2q, w2s = (t[local].contiguous() for t in (gw1q, gw1s, gw2q, gw2s))
+    expert_map = None
+    if world_size == 1:
+        from vllm_moe_fixes.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
+        pf, experts, backend = NoEPPrepareAndFinalize(), select_experts(args.intermediate, args.hidden), "none"
+    else:
+        pf, experts, backend = _ep_components(args, rank, world_size, E_l)
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[local] = torch.arange(E_l, dtype=torch.int32)
+    kernel = FusedMoEModularKernel(pf, experts)
+    tensors = [t.to(device) for t in (x, w1q, w2q, weights, ids, w1s, w2s)]
+    x, w1q, w2q, weights, ids, w1s, w2s = tensors
+    expert_map = expert_map.to(device) if expert_map is not None else None
+
+    def call():
+        return kernel(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s,
+                      global_num_experts=E, expert_map=expert_map)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    first, times, out = _time_calls(call, device, args.reps)
+    if device.type == "cuda":
+        peak = f"{(torch.cuda.max_memory_allocated(device) - base) / 2**20:.1f} MiB over inputs and weights"
+    else:
+        import resource
+        peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB process RSS"
+    out = out.float().cpu()
+    return {"rank": rank, "diff": calc_diff(out, ref), "max_abs_err": float((out - ref).abs().max()),
+            "first_ms": first * 1e3, "median_ms": sorted(times)[len(times) // 2] * 1e3 if times else None,
+            "peak": peak, "prepare_finalize": type(pf).__name__, "experts": type(experts).__name__,
+            "all2all": backend, "finite": bool(torch.isfinite(out).all())}
+
+
+def _ep_components(args: argparse.Namespace, rank: int, world_size: int, local_experts: int):
+    """(prepare_finalize, experts, description) of the EP path: the backend's all-to-all buffer,
+    high-throughput (standard layout) or low-latency (batched layout) prepare/finalize, and the
+    experts VLLM_USE_DEEP_GEMM selects."""
+    from vllm_moe_fixes.distributed.deepep import make_all2all_buffer
+    from vllm_moe_fixes.fused_moe import batched_experts
+    from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
+        DeepEPHTPrepareAndFinalize,
+        DeepEPLLPrepareAndFinalize,
+    )
+    from vllm_moe_fixes.fused_moe.experts import select_experts
+
+    backend = args.backend or envs.VLLM_ALL2ALL_BACKEND
+    low_latency = backend == "deepep_low_latency" or args.low_latency
+    buffer = make_all2all_buffer(backend, None, max_tokens_per_rank=args.tokens,
+                                 hidden=args.hidden, num_experts=args.experts)
+    if low_latency:
+        pf = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=world_size,
+                                        max_tokens_per_rank=args.tokens)
+        experts = (batched_experts.BatchedDeepGemmExperts() if envs.VLLM_USE_DEEP_GEMM
+                   else batched_experts.BatchedTritonExperts())
+    else:
+        pf = DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world_size,
+                                        rank_expert_offset=rank * local_experts)
+        experts = select_experts(args.intermediate, args.hidden)
+    return pf, experts, f"{backend} ({'low-latency' if low_latency else 'high-throughput'} mode)"
+
+
+def _demo_rank(rank: int, world_size: int, port: int, backend: str, args: argparse.Namespace,
+               result_path: str) -> None:
+    """One process of ``demo --world-size N``: join the group, run the layer, gather to rank 0."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        try:
+            result = _run_layer(args, rank, world_size, device)
+        except Exception as e:  # noqa: BLE001 -- reported by rank 0 beside the others' results
+            result = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
+        results = [None] * world_size
+        dist.all_gather_object(results, result)
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _validate_demo(args: argparse.Namespace) -> None:
+    checks = [(args.world_size >= 1, f"--world-size must be >= 1, got {args.world_size}"),
+              (args.tokens >= 1, f"--tokens must be >= 1, got {args.tokens}"),
+              (args.hidden > 0 and args.hidden % 128 == 0, f"--hidden must be a positive multiple of 128, got {args.hidden}"),
+              (args.intermediate > 0 and args.intermediate % 128 == 0,
+               f"--intermediate must be a positive multiple of 128, got {args.intermediate}"),
+              (args.experts >= 1 and args.experts % args.world_size == 0,
+               f"--experts ({args.experts}) must be a positive multiple of --world-size ({args.world_size})"),
+              (1 <= args.topk <= args.experts, f"--topk must be in [1, --experts={args.experts}], got {args.topk}"),
+              (args.reps >= 0, f"--reps must be >= 0, got {args.reps}")]
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)
+    if args.low_latency and (args.backend or envs.VLLM_ALL2ALL_BACKEND) == "deepep_high_throughput":
+        raise UsageError("--low-latency needs the naive or deepep_low_latency backend")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        envs.current_values()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    _validate_demo(args)
+    n = args.world_size
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= n and not args.cpu
+    where = (f"{n} GPU(s), NCCL" if n > 1 else "GPU") if use_cuda else (
+        f"{n} CPU processes, gloo" if n > 1 else "CPU")
+    print(f"demo: one MoE layer, K={args.hidden} I={args.intermediate} E={args.experts} "
+          f"top-{args.topk}, {args.tokens} tokens per rank, world size {n} on {where}")
+    if n == 1:
+        try:
+            results = [_run_layer(args, 0, 1, torch.device("cuda" if use_cuda else "cpu"))]
+        except (RuntimeError, ImportError) as e:
+            raise UsageError(f"{type(e).__name__}: {e}") from None
+    else:
+        import tempfile
+
+        import torch.multiprocessing as mp
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "results.json")
+            mp.spawn(_demo_rank, args=(n, _free_port(), "nccl" if use_cuda else "gloo", args, path),
+                     nprocs=n, join=True)
+            results = json.loads(Path(path).read_text())
+    errors = [r for r in results if "error" in r]
+    for r in errors:
+        print(f"  rank {r['rank']}: ERROR {r['error']}")
+    if errors:
+        return 2
+    r0 = results[0]
+    print(f"  path: {r0['prepare_finalize']} + {r0['experts']}, all-to-all: {r0['all2all']}")
+    worst = max(results, key=lambda r: r["diff"])
+    ok = all(r["diff"] < DEMO_TOLERANCE and r["finite"] for r in results)
+    for r in results:
+        med = f"{r['median_ms']:.2f} ms median of {args.reps}" if r["median_ms"] is not None else "no repeats"
+        print(f"  rank {r['rank']}: calc_diff {r['diff']:.2e}, max abs err {r['max_abs_err']:.3g}, "
+              f"time {r['first_ms']:.1f} ms first call, {med}; peak {r['peak']}")
+    print(f"check vs moe_reference: calc_diff {worst['diff']:.2e} "
+          f"{'<' if ok else 'NOT <'} {DEMO_TOLERANCE:g}: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------------------------------ bench
+def _benchmarks_dir(arg: str | None) -> Path:
+    path = Path(arg) if arg else Path(__file__).resolve().parent.parent / "benchmarks"
+    if not path.is_dir():
+        raise UsageError(f"no benchmarks directory at {path}: bench runs the scripts of a source "
+                         "checkout (pass --dir)")
+    return path
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    fill = width * done // total if total else width
+    print(f"[{'#' * fill}{'-' * (width - fill)}] {done}/{total} {label}", flush=True)
+
+
+def _series(payload: dict) -> tuple[list[str], dict[str, list[float]], str] | None:
+    """(x labels, {series: values}, y unit) from a results JSON whose "rows" or "results" is a
+    list of dicts, or a dict of dicts keyed by operation."""
+    rows = payload.get("rows") or payload.get("results")
+    if isinstance(rows, dict):
+        rows = [{"op": name, **row} for name, row in rows.items() if isinstance(row, dict)]
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        return None
+    for unit, keys in (("GB/s", ("gb/s", "gbps")), ("TFLOP/s", ("tflop",))):
+        names = [k for k in rows[0] if any(s in k.lower() for s in keys)]
+        if names:
+            break
+    else:
+        return None
+    shape_keys = [k for k in ("backend", "op", "groups", "rows", "M", "tokens", "topk", "N", "K")
+                  if isinstance(rows[0].get(k), (int, str))]
+    labels = ["x".join(str(r.get(k)) for k in shape_keys) or str(i) for i, r in enumerate(rows)]
+    series = {k: [r.get(k) if isinstance(r.get(k), (int, float)) else float("nan") for r in rows]
+              for k in names}
+    return labels, series, f"{unit} (shape {'x'.join(shape_keys)})"
+
+
+def _plot(results_dir: Path) -> list[Path]:
+    """One PNG per results JSON (sweeps skipped) beside it: every GB/s or TFLOP/s column of its
+    rows against the shape, anchors dashed. Returns the files written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for path in sorted(results_dir.glob("*.json")):
+        if path.stem.endswith("_sweep"):
+            continue
+        try:
+            parsed = _series(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            parsed = None
+        if parsed is None:
+            print(f"  {path.name}: nothing to plot")
+            continue
+        labels, series, ylabel = parsed
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for name, values in series.items():
+            anchor = any(word in name.lower() for word in ANCHOR_WORDS)
+            ax.plot(range(len(labels)), values, marker="o", label=name,
+                    linestyle="--" if anchor else "-")
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.set_title(path.stem)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        out = path.with_suffix(".png")
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+        written.append(out)
+        print(f"  wrote {out}")
+    return written
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    bench_dir = _benchmarks_dir(args.dir)
+    failed = []
+    if not args.plot_only:
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError("bench needs a CUDA GPU: the benchmarks time the Triton kernels on "
+                             "the device (use --plot-only to draw plots from existing results)")
+        areas = [args.only] if args.only else list(BENCH_AREAS)
+        scripts = [(a, bench_dir / BENCH_AREAS[a]) for a in areas]
+        missing = [a for a, s in scripts if not s.is_file()]
+        for a in missing:
+            print(f"  {a}: {BENCH_AREAS[a]} not found in {bench_dir}, skipped")
+        scripts = [(a, s) for a, s in scripts if s.is_file()]
+        if torch.cuda.device_count() < 2 and any(a == "all2all" for a, _ in scripts):
+            print("  all2all: needs 2 GPUs (bench_all2all.py --world-size 2), skipped")
+            scripts = [(a, s) for a, s in scripts if a != "all2all"]
+        (bench_dir / "results").mkdir(exist_ok=True)
+        for i, (area, script) in enumerate(scripts):
+            _progress(i, len(scripts), f"running {script.name}")
+            log = bench_dir / "results" / f"{script.stem}.log"
+            start = time.perf_counter()
+            with open(log, "w") as f:
+                rc = subprocess.run([sys.executable, str(script)], cwd=bench_dir.parent,
+                                    stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+            status = "ok" if rc == 0 else f"FAILED (exit {rc})"
+            print(f"  {script.name}: {status} in {time.perf_counter() - start:.0f} s, log {log}")
+            if rc:
+                failed.append(area)
+                print("    " + "\n    ".join(log.read_text().splitlines()[-10:]))
+        _progress(len(scripts), len(scripts), "done")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib, or "
+              "pip install 'vllm-moe-fixes[plot]')")
+    else:
+        _plot(bench_dir / "results")
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    from vllm_moe_fixes.planner import DEFAULT_GPU_MEMORY_GIB
+
+    parser = argparse.ArgumentParser(prog="vllm-moe-fixes", description=(
+        "Check the install, plan a DP/EP configuration, run one MoE layer, benchmark."))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("check", help="versions, GPU, optional libraries, env values, backends")
+
+    p = sub.add_parser("plan", help="expert load, memory and DeepEP buffers of a DP/EP dummy run")
+    p.add_argument("--model", required=True, help="preset name or a JSON file of the same fields")
+    p.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
+    p.add_argument("--ep", type=int, default=None, help="ranks per EP group (default: --dp)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="dummy tokens per rank (default VLLM_MOE_DP_CHUNK_SIZE)")
+    p.add_argument("--backend", default=None, choices=envs.ALL2ALL_BACKENDS,
+                   help="all-to-all backend (default VLLM_ALL2ALL_BACKEND)")
+    p.add_argument("--gpu-memory-gib", type=float, default=DEFAULT_GPU_MEMORY_GIB,
+                   help="memory per GPU for the OOM flag (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="routing simulation seed")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    d = sub.add_parser("demo", help="one MoE layer through the modular kernel, checked")
+    d.add_argument("--world-size", type=int, default=1, help="EP ranks (processes)")
+    d.add_argument("--tokens", type=int, default=64, help="tokens per rank")
+    d.add_argument("--hidden", type=int, default=1024, help="K")
+    d.add_argument("--intermediate", type=int, default=256, help="I")
+    d.add_argument("--experts", type=int, default=16, help="E (global)")
+    d.add_argument("--topk", type=int, default=4, help="k")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--reps", type=int, default=5, help="timed calls after the first")
+    d.add_argument("--backend", default=None, choices=envs.ALL2ALL_BACKENDS,
+                   help="all-to-all backend for --world-size > 1 (default VLLM_ALL2ALL_BACKEND)")
+    d.add_argument("--low-latency", action="store_true", help="low-latency dispatch (batched "
+                   "experts) with the naive backend; implied by deepep_low_latency")
+    d.add_argument("--cpu", action="store_true", help="run on CPU even where GPUs exist")
+
+    b = sub.add_parser("bench", help="run benchmarks/ (GPU) and plot benchmarks/results/*.json")
+    b.add_argument("--only", choices=sorted(BENCH_AREAS), default=None)
+    b.add_argument("--plot-only", action="store_true", help="only draw plots from existing JSON")
+    b.add_argument("--dir", default=None, help="benchmarks directory (default: the checkout's)")
+    return parser
+
+
+COMMANDS = {"check": cmd_check, "plan": cmd_plan, "demo": cmd_demo, "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI with ``argv`` (default sys.argv[1:]); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

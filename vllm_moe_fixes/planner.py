@@ -1,0 +1,365 @@
+"""Will a DP/EP configuration come up? Expert load, memory and DeepEP buffers of the dummy run.
+
+An engine's profile (dummy) run pushes ``max_tokens`` tokens through every data-parallel rank. With
+all-zero token ids every token routes to the same top-k experts, so the expert-parallel ranks owning
+them receive every token of the EP group; with random ids (``VLLM_RANDOMIZE_DP_DUMMY_INPUTS``) the
+load spreads out. ``make_plan`` simulates both with a random-initialised router of the model's
+shapes and sizes, at the busiest rank, what the seed's failure modes depend on.
+
+Routing simulation (``SimulatedRouter``): a gate [E, H] drawn as ``nn.Linear`` initialises it
+(uniform in +-1/sqrt(H)) and an embedding [vocab, H] drawn as ``nn.Embedding`` does (unit normal).
+The embedding is never materialised: an embedding row e reaches the router only as ``gate @ e``,
+which is normal with covariance C = ``gate gate^T`` [E, E]. When E < H, C = L L^T (Cholesky; C is
+positive definite) and the logits ``z @ L^T`` of a standard normal E-vector z have exactly that
+distribution, so one E-vector per *used* id stands for an embedding row at the model's real hidden
+size (E numbers per id instead of H, and no [vocab, H] table); when E >= H the H-vector z is the
+embedding row itself and the logits are ``z @ gate^T``. The rows are drawn per ``route`` call for
+the distinct ids of that call: equal ids share their logits (all-zero ids: one row for every
+token), which is all the load statistics need, without a stored table.
+
+Sampling: an EP group of ``ep`` ranks holds ``ep * max_tokens`` tokens. At most ``SAMPLE_TOKENS``
+of them are simulated (random ids are independent, so a sample is representative) and the loads
+scaled to the whole group; sampling noise can only add imbalance, so the busiest/mean ratio from a
+sample is a slight over-estimate. All-zero ids are exact at any sample size.
+
+Memory model at a rank (bytes): the MoE weights of its local experts over all MoE layers (FP8 with
+float32 128x128 block scales) + the DeepEP buffers of the backend + one layer's received rows,
+expert workspaces (which hold the experts' output) and result (the modular kernel reuses the
+workspaces across layers).
+Dense layers, attention, KV cache and shared experts are not counted: it is a lower bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_moe_fixes import envs
+from vllm_moe_fixes.config import MoEModelConfig
+from vllm_moe_fixes.distributed.deepep import (
+    LL_MAX_RDMA_BYTES,
+    LL_SUPPORTED_HIDDEN,
+    deepep_ll_rdma_bytes,
+    deepep_nvl_bytes,
+    deepep_rdma_bytes,
+)
+
+SAMPLE_TOKENS = 8192
+# The seed PR's fixed low-latency RDMA buffer.
+SEED_RDMA_BYTES = 2**30
+INT32_ELEMENTS = 2**31
+DEFAULT_GPU_MEMORY_GIB = 141.0
+INPUTS = ("zero", "random")
+BF16, FP8, F32 = 2, 1, 4
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class SimulatedRouter:
+    """A random-initialised router of ``cfg``'s shapes (see the module docstring).
+
+    Arguments:
+        cfg: the model's shapes and routing (softmax top-k, or grouped top-k on sigmoid scores).
+        seed: int; the gate and every draw derive from it (same seed, same routing).
+    """
+
+    def __init__(self, cfg: MoEModelConfig, seed: int = 0):
+        self.cfg = cfg
+        self.seed = seed
+        bound = 1.0 / math.sqrt(cfg.hidden_size)
+        gate = np.random.default_rng([seed, 0]).uniform(
+            -bound, bound, size=(cfg.num_experts, cfg.hidden_size)).astype(np.float32)
+        if cfg.num_experts < cfg.hidden_size:
+            cov = (gate @ gate.T).astype(np.float64)
+            self._factor = np.linalg.cholesky(cov).T.astype(np.float32)  # [E, E]
+        else:
+            self._factor = gate.T  # [H, E]
+
+    def _logits(self, num_ids: int) -> np.ndarray:
+        """Router logits float32 [num_ids, E] of ``num_ids`` distinct token ids."""
+        z = np.random.default_rng([self.seed, 2]).standard_normal(
+            (num_ids, self._factor.shape[0]), dtype=np.float32)
+        return z @ self._factor
+
+    def route(self, token_ids: np.ndarray) -> np.ndarray:
+        """Top-k expert ids int64 [T, k] for int token ids [T] (equal ids route alike).
+
+        softmax: the k largest logits (softmax is monotone). sigmoid with n_group > 1 (DeepSeek-V3):
+        scores = sigmoid(logits) (+ a correction bias, zero here); a group's score is the sum of its
+        2 best scores; only the topk_group best groups stay eligible; the k best eligible scores win.
+        """
+        cfg = self.cfg
+        unique, inverse = np.unique(token_ids, return_inverse=True)
+        scores = self._logits(unique.size)
+        if cfg.scoring == "sigmoid":
+            scores = 1.0 / (1.0 + np.exp(-scores))
+        if cfg.n_group > 1:
+            grouped = scores.reshape(len(scores), cfg.n_group, -1)
+            group_score = np.partition(grouped, -2, axis=-1)[..., -2:].sum(-1)  # [T, G]
+            best = np.argpartition(-group_score, cfg.topk_group - 1, axis=1)[:, :cfg.topk_group]
+            eligible = np.zeros(group_score.shape, dtype=bool)
+            np.put_along_axis(eligible, best, True, axis=1)
+            scores = np.where(eligible[..., None], grouped, -np.inf).reshape(len(scores), -1)
+        topk = np.argpartition(-scores, cfg.top_k - 1, axis=1)[:, :cfg.top_k]
+        return topk[inverse.reshape(-1)].astype(np.int64)
+
+
+@dataclass
+class RankLoads:
+    """Per-EP-rank load of one EP group, scaled to all its tokens.
+
+    slots: int64 [ep], routed (token, expert) pairs landing on each rank's experts.
+    tokens: int64 [ep], distinct tokens each rank receives (a token arrives once per rank).
+    simulated_tokens: tokens actually routed (the sample).
+    """
+
+    slots: np.ndarray
+    tokens: np.ndarray
+    simulated_tokens: int
+
+
+def simulate_loads(router: SimulatedRouter, *, ep: int, num_tokens: int, inputs: str,
+                   sample_tokens: int = SAMPLE_TOKENS) -> RankLoads:
+    """Route ``num_tokens`` dummy tokens ("zero" or "random" ids) and count each EP rank's load.
+
+    Experts are split contiguously: rank r owns experts [r*E/ep, (r+1)*E/ep). Raises ValueError
+    when ``ep`` does not divide the expert count or ``inputs`` is unknown.
+    """
+    cfg = router.cfg
+    if cfg.num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide {cfg.name}'s {cfg.num_experts} experts")
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs={inputs!r}; allowed: {', '.join(INPUTS)}")
+    sample = min(num_tokens, sample_tokens)
+    if inputs == "zero":
+        ids = np.zeros(sample, dtype=np.int64)
+    else:
+        ids = np.random.default_rng([router.seed, 1]).integers(0, cfg.vocab_size, sample)
+    rank = router.route(ids) // (cfg.num_experts // ep)  # [T, k]
+    slots = np.bincount(rank.ravel(), minlength=ep)
+    hit = np.zeros((sample, ep), dtype=bool)
+    np.put_along_axis(hit, rank, True, axis=1)
+    scale = num_tokens / sample
+    return RankLoads(np.rint(slots * scale).astype(np.int64),
+                     np.rint(hit.sum(0) * scale).astype(np.int64), sample)
+
+
+def _layer_tensors(cfg: MoEModelConfig, *, layout: str, tokens: int, local_experts: int,
+                   tokens_per_slice: int, max_tokens: int) -> dict[str, int]:
+    """Element counts of one layer's big tensors at a rank that receives ``tokens`` tokens.
+
+    The shapes are the experts' ``workspace_shapes`` (fused_moe/experts.py, ops/permute.py):
+    standard layout (fused_moe/experts.py, ops/permute.py), M' received rows of k slots each:
+    M_sum = round_up(M'*k + E_l*127, 128), ws13 [M_sum, max(2I, K)], ws2 [M_sum, max(I, K)],
+    unreduced output [M', k, K] (the moe_sum input, a view inside ws13); batched layout
+    (fused_moe/batched_experts.py): T = ep * max_tokens rows per local expert whatever the routing,
+    ws13 [E_l, T, max(2I, K + I)], ws2 [E_l, T, max(I, K)], output [E_l, T, K] inside ws13.
+    """
+    K, I, k, El = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, local_experts
+    if layout == "batched":
+        rows = El * tokens_per_slice  # GEMM rows, received rows and output rows alike
+        recv, out, ws13_cols = rows, rows, max(2 * I, K + I)
+    else:
+        rows = _round_up(tokens * k + El * 127, 128)  # M_sum
+        recv, out, ws13_cols = tokens, tokens * k, max(2 * I, K)
+    return {"quant_input": max_tokens * K, "recv_x": recv * K, "workspace13": rows * ws13_cols,
+            "workspace2": rows * max(I, K), "requant_input": rows * I, "expert_output": out * K,
+            "layer_output": max_tokens * K}
+
+
+def _layer_bytes(elements: dict[str, int]) -> dict[str, int]:
+    """Bytes allocated for one layer: FP8 received rows with float32 1x128 scales, the two bf16
+    workspaces (the experts' output lives inside ws13) and the bf16 [M, K] result."""
+    recv = elements["recv_x"]
+    return {"recv_x": recv * FP8 + recv // 128 * F32,
+            "workspace13": elements["workspace13"] * BF16,
+            "workspace2": elements["workspace2"] * BF16,
+            "layer_output": elements["layer_output"] * BF16}
+
+
+def _weight_bytes(cfg: MoEModelConfig, local_experts: int) -> int:
+    K, I = cfg.hidden_size, cfg.moe_intermediate_size
+    per_expert = 3 * I * K * FP8 + (math.ceil(2 * I / 128) + math.ceil(I / 128)) * math.ceil(K / 128) * F32
+    return cfg.num_moe_layers * local_experts * per_expert
+
+
+def _hint_or_none(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError:
+        return None  # DeepEP has no tuned config / cannot serve this rank count
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens: int | None = None,
+              backend: str | None = None, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
+              seed: int = 0) -> dict:
+    """Plan one EP group's dummy run for zero and random ids; return a JSON-ready dict.
+
+    Arguments:
+        cfg: model shapes.
+        dp: data-parallel ranks (>= 1); ep: ranks of one EP group (default dp; must divide dp and
+            the expert count); each rank runs max_tokens dummy tokens (default
+            VLLM_MOE_DP_CHUNK_SIZE).
+        backend: all-to-all backend (default VLLM_ALL2ALL_BACKEND); deepep_low_latency uses the
+            batched layout, the others (and ep == 1) the standard one.
+        gpu_memory_gib: memory budget per GPU for the OOM flag.
+        seed: routing simulation seed.
+
+    Returns a dict with keys: model, dp, ep, max_tokens, backend, layout, gpu_memory_gib,
+    local_experts, group_tokens, simulated_tokens, seed, inputs_in_effect, loads (per input kind:
+    busiest_rank, busiest_slots, mean_slots, imbalance, busiest_tokens, slots_per_rank,
+    layer_bytes, memory_bytes, largest_tensor), weight_bytes, deepep (byte counts), flags
+    (name -> {raised, detail}), elapsed_s.
+    """
+    start = time.perf_counter()
+    for name, value in (("dp", dp), ("ep", ep), ("max_tokens", max_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    ep = dp if ep is None else ep
+    max_tokens = envs.VLLM_MOE_DP_CHUNK_SIZE if max_tokens is None else max_tokens
+    backend = envs.VLLM_ALL2ALL_BACKEND if backend is None else backend
+    if backend not in envs.ALL2ALL_BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {', '.join(envs.ALL2ALL_BACKENDS)}")
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp} (an EP group is made of ep of the DP ranks)")
+    if not gpu_memory_gib > 0:
+        raise ValueError(f"gpu_memory_gib must be > 0, got {gpu_memory_gib!r}")
+    if cfg.num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide {cfg.name}'s {cfg.num_experts} experts")
+
+    K, E = cfg.hidden_size, cfg.num_experts
+    local_experts = E // ep
+    layout = "batched" if backend == "deepep_low_latency" and ep > 1 else "standard"
+    group_tokens = ep * max_tokens
+    budget = int(gpu_memory_gib * 2**30)
+
+    nvl = envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20
+    deepep = {"nvl_bytes": nvl,
+              "nvl_hint_bytes": _hint_or_none(deepep_nvl_bytes, K, ep),
+              "ht_rdma_hint_bytes": _hint_or_none(deepep_rdma_bytes, K, ep),
+              "ll_rdma_hint_bytes": deepep_ll_rdma_bytes(max_tokens, K, ep, E),
+              "seed_fixed_rdma_bytes": SEED_RDMA_BYTES}
+    if ep == 1:
+        buffer_bytes = 0
+    elif backend == "deepep_high_throughput":
+        buffer_bytes = nvl + (deepep["ht_rdma_hint_bytes"] or 0)
+    elif backend == "deepep_low_latency":
+        buffer_bytes = deepep["ll_rdma_hint_bytes"]
+    else:
+        buffer_bytes = 0
+    weight_bytes = _weight_bytes(cfg, local_experts)
+
+    router = SimulatedRouter(cfg, seed)
+    loads = {}
+    for inputs in INPUTS:
+        sim = simulate_loads(router, ep=ep, num_tokens=group_tokens, inputs=inputs)
+        per_rank = [_layer_tensors(cfg, layout=layout, tokens=int(t), local_experts=local_experts,
+                                   tokens_per_slice=group_tokens, max_tokens=max_tokens)
+                    for t in sim.tokens]
+        layer = [_layer_bytes(t) for t in per_rank]
+        worst = max(range(ep), key=lambda r: sum(layer[r].values()))
+        largest = max(per_rank[worst].items(), key=lambda kv: kv[1])
+        busiest = int(np.argmax(sim.slots))
+        mean = float(sim.slots.mean())
+        loads[inputs] = {
+            "busiest_rank": busiest, "busiest_slots": int(sim.slots[busiest]),
+            "mean_slots": mean, "imbalance": float(sim.slots[busiest] / mean) if mean else 0.0,
+            "busiest_tokens": int(sim.tokens.max()), "slots_per_rank": sim.slots.tolist(),
+            "layer_bytes": layer[worst],
+            "memory_bytes": weight_bytes + buffer_bytes + sum(layer[worst].values()),
+            "largest_tensor": {"name": largest[0], "elements": largest[1]},
+        }
+        simulated = sim.simulated_tokens
+
+    ll_hint = deepep["ll_rdma_hint_bytes"]
+    flags = {}
+    for inputs in INPUTS:
+        mem = loads[inputs]["memory_bytes"]
+        flags[f"dummy_run_oom_{inputs}_inputs"] = {
+            "raised": mem > budget,
+            "detail": f"{inputs} ids: {_gib(mem)} per GPU at the busiest rank (weights, buffers and "
+                      f"one layer's activations; a lower bound) vs {gpu_memory_gib:g} GiB"}
+        big = loads[inputs]["largest_tensor"]
+        flags[f"int32_overflow_{inputs}_inputs"] = {
+            "raised": big["elements"] >= INT32_ELEMENTS,
+            "detail": f"{inputs} ids: largest kernel tensor {big['name']} has {big['elements']} "
+                      f"elements (32-bit offsets break at 2**31 = {INT32_ELEMENTS})"}
+    flags["fixed_rdma_below_ll_hint"] = {
+        "raised": SEED_RDMA_BYTES < ll_hint,
+        "detail": f"a fixed {_gib(SEED_RDMA_BYTES)} low-latency RDMA buffer vs the hint {ll_hint} "
+                  f"bytes ({_gib(ll_hint)}) for N={max_tokens}, H={K}, E={E}: DeepEP's "
+                  "'layout.total_bytes <= num_rdma_bytes' assertion"}
+    flags["ll_offset_limit"] = {
+        "raised": ll_hint > LL_MAX_RDMA_BYTES,
+        "detail": f"LL hint/16 = {ll_hint // 16} vs 2**31: DeepEP's low-latency offsets are 32-bit "
+                  "in 16-byte units"}
+    flags["ll_unsupported_hidden"] = {
+        "raised": K not in LL_SUPPORTED_HIDDEN,
+        "detail": f"hidden {K}; DeepEP low-latency supports {', '.join(map(str, LL_SUPPORTED_HIDDEN))}"}
+    nvl_hint = deepep["nvl_hint_bytes"]
+    flags["nvl_buffer_below_hint"] = {
+        "raised": nvl_hint is not None and nvl < nvl_hint,
+        "detail": f"VLLM_DEEPEP_BUFFER_SIZE_MB gives {nvl} bytes vs DeepEP's high-throughput hint "
+                  f"{nvl_hint if nvl_hint is not None else 'n/a (no tuned config for ' + str(ep) + ' ranks)'}"}
+
+    return {
+        "model": cfg.to_dict(), "dp": dp, "ep": ep, "max_tokens": max_tokens, "backend": backend,
+        "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_experts,
+        "group_tokens": group_tokens, "simulated_tokens": simulated, "seed": seed,
+        "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",
+        "loads": loads, "weight_bytes": weight_bytes, "buffer_bytes": buffer_bytes,
+        "deepep": deepep, "flags": flags, "elapsed_s": time.perf_counter() - start,
+    }
+
+
+def format_plan(plan: dict) -> str:
+    """The plan as a plain-text table (what ``vllm-moe-fixes plan`` prints)."""
+    m = plan["model"]
+    z, r = plan["loads"]["zero"], plan["loads"]["random"]
+    sampled = (" (a sample: the random busiest/mean is an over-estimate)"
+               if plan["simulated_tokens"] < plan["group_tokens"] else "")
+    lines = [
+        f"model {m['name']}: K={m['hidden_size']} I={m['moe_intermediate_size']} "
+        f"E={m['num_experts']} top-{m['top_k']} {m['scoring']}"
+        + (f" (groups {m['n_group']}, top-{m['topk_group']})" if m["n_group"] > 1 else "")
+        + f", {m['num_layers'] - m['num_dense_layers']} MoE layers",
+        (f"dp={plan['dp']} ep={plan['ep']} max tokens/rank={plan['max_tokens']} "
+         f"backend={plan['backend']} ({plan['layout']} layout) experts/rank={plan['local_experts']} "
+         f"budget={plan['gpu_memory_gib']:g} GiB"),
+        (f"simulated {plan['simulated_tokens']} of the EP group's {plan['group_tokens']} tokens "
+         f"(seed {plan['seed']}){sampled}; dummy ids in effect now: {plan['inputs_in_effect']}"),
+        "",
+        f"{'per rank':<28}{'zero ids':>16}{'random ids':>16}",
+    ]
+
+    def row(label, fz, fr):
+        lines.append(f"{label:<28}{fz:>16}{fr:>16}")
+
+    row("busiest rank token-slots", z["busiest_slots"], r["busiest_slots"])
+    row("mean token-slots", f"{z['mean_slots']:.0f}", f"{r['mean_slots']:.0f}")
+    row("busiest / mean", f"{z['imbalance']:.2f}x", f"{r['imbalance']:.2f}x")
+    row("most tokens received", z["busiest_tokens"], r["busiest_tokens"])
+    for key in z["layer_bytes"]:
+        row(f"  {key}", _gib(z["layer_bytes"][key]), _gib(r["layer_bytes"][key]))
+    row("expert weights (all layers)", _gib(plan["weight_bytes"]), _gib(plan["weight_bytes"]))
+    row("all-to-all buffers", _gib(plan["buffer_bytes"]), _gib(plan["buffer_bytes"]))
+    row("memory (lower bound)", _gib(z["memory_bytes"]), _gib(r["memory_bytes"]))
+    row("largest tensor (elements)", z["largest_tensor"]["elements"], r["largest_tensor"]["elements"])
+    d = plan["deepep"]
+    lines += ["", (f"DeepEP: NVL buffer {_gib(d['nvl_bytes'])} (high-throughput hint "
+                   f"{_gib(d['nvl_hint_bytes'])}), HT RDMA hint {_gib(d['ht_rdma_hint_bytes'])}, "
+                   f"LL RDMA hint {d['ll_rdma_hint_bytes']} bytes ({_gib(d['ll_rdma_hint_bytes'])})"),
+              ""]
+    for name, flag in plan["flags"].items():
+        lines.append(f"[{'FLAG' if flag['raised'] else ' ok '}] {name}: {flag['detail']}")
+    lines.append(f"(planned in {plan['elapsed_s']:.2f} s)")
+    return "\n".join(lines)
