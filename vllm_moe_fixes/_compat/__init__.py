@@ -1,1 +1,1 @@
-"""(exports are filled in at integration)"""
+"""The only modules that import the optional libraries deep_ep and deep_gemm."""

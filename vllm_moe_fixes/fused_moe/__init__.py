@@ -1,1 +1,23 @@
-"""(exports are filled in at integration)"""
+"""The modular MoE layer: prepare/finalize (NoEP, DeepEP high-throughput, low-latency) x experts."""
+
+from vllm_moe_fixes.fused_moe.batched_experts import BatchedDeepGemmExperts, BatchedTritonExperts
+from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
+    DeepEPHTPrepareAndFinalize,
+    DeepEPLLPrepareAndFinalize,
+)
+from vllm_moe_fixes.fused_moe.experts import DeepGemmExperts, TritonExperts, select_experts
+from vllm_moe_fixes.fused_moe.modular_kernel import (
+    ActivationFormat,
+    Experts,
+    FusedMoEModularKernel,
+    PrepareAndFinalize,
+    PrepareResult,
+    Workspaces,
+)
+from vllm_moe_fixes.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference
+
+__all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
+           "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize", "DeepGemmExperts", "Experts",
+           "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize", "PrepareResult",
+           "TritonExperts", "Workspaces", "fused_topk", "moe_reference", "select_experts"]
