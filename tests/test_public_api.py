@@ -2,6 +2,9 @@
 environment table says what the registry says."""
 
 import importlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +40,21 @@ def test_readme_environment_table_matches_registry():
             if isinstance(var.default, bool) else var.default
         row = f"| `{var.name}` | {var.allowed} | `{default}` | {var.help} |"
         assert row in readme, f"README row out of date for {var.name}:\n{row}"
+
+
+def _readme_python_blocks():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+
+
+@pytest.mark.parametrize("index", range(len(_readme_python_blocks())))
+def test_readme_examples_run(index, tmp_path):
+    """Every python block of the README runs as written (each in its own process, on CPU)."""
+    script = tmp_path / "example.py"
+    script.write_text(_readme_python_blocks()[index])
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
