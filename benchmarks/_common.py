@@ -6,6 +6,14 @@ API (keep it small):
         Median time of fn(*args) in microseconds (triton.testing.do_bench, return_mode="median",
         which triton 3.6 and 3.9 both accept; do_bench also flushes L2 before every call).
         fn is called with the argument tuples of `arg_sets` in rotation.
+    graph_us(fn, arg_sets, calls=16, warmup=5, rep=100) -> float
+        Time per call under CUDA-graph replay (how engines run decode): one graph of `calls`
+        calls of fn, rotating through arg_sets, is captured once; its replay is timed like
+        bench_us and divided by `calls`. Host time drops out; launch gaps between kernels stay.
+    host_us(fn, arg_sets, calls=200) -> float
+        Host time per call: wall time of `calls` back-to-back calls with the GPU left to run
+        behind (no sync inside the timed loop; best of 5). When it exceeds the kernel time,
+        eager timings (bench_us) measure the host, not the GPU.
     rotating(make, nbytes, budget=256 << 20, max_sets=16) -> list
         [make(0), make(1), ...]: enough independent input sets (each of about `nbytes`) to
         cover `budget` bytes, so small shapes are not timed from a warm L2 (H200 L2: 50 MB).
@@ -22,6 +30,7 @@ import json
 import math
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +45,34 @@ def bench_us(fn, arg_sets, warmup=25, rep=100) -> float:
     ms = triton.testing.do_bench(lambda: fn(*next(cycle)), warmup=warmup, rep=rep,
                                  return_mode="median")
     return ms * 1e3
+
+
+def graph_us(fn, arg_sets, calls=16, warmup=5, rep=100) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for args in arg_sets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*arg_sets[i % len(arg_sets)])
+    ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
+    del graph
+    return ms * 1e3 / calls
+
+
+def host_us(fn, arg_sets, calls=200) -> float:
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(*arg_sets[i % len(arg_sets)])
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
 
 
 def rotating(make, nbytes, budget=256 << 20, max_sets=16) -> list:

@@ -2,14 +2,25 @@
 
 Run from the repo root:  python benchmarks/bench_moe_sum.py [--sweep]
 
-For each M in 256, 4096, 16384 it times, in the same run: the Triton kernel, torch.sum(x, dim=1)
-(the anchor; it accumulates in float32 too) and a device-to-device copy moving the same bytes.
+For each M in 256, 4096, 16384 it times, in the same run:
+  us / GB/s              the public op, eager (do_bench; includes host time when the host is
+                         slower than the kernel)
+  graph_us / graph_GB/s  the public op under CUDA-graph replay (16 calls per graph, per call)
+  launcher_us            the Triton launcher alone, eager
+  host_us, launcher_host_us  host time per call of the public op / the launcher
+  torch_sum_us           torch.sum(x, dim=1, out=o), graph replay (float32 accumulation too)
+  floor_us / floor_GB/s  (graph replay) the byte floor: a sum-free Triton kernel (below) that
+                         reads exactly M*topk*K*2 bytes and writes exactly M*K*2, with moe_sum's
+                         tiling, combining the top-k slices with an integer XOR, no float math
+  copy_us                (graph replay) a device-to-device copy of (M*topk*K*2 + M*K*2) / 2
+                         bytes (the same total, but half read and half written)
 Bytes = input (M*topk*K*2) + output (M*K*2). Writes benchmarks/results/bench_moe_sum.json.
---sweep also times a grid of (block_m, block_k, num_warps), prints the best and writes
-benchmarks/results/bench_moe_sum_sweep.json.
+--sweep also times a grid of (block_m, block_k, num_warps) of the launcher, prints the best and
+writes benchmarks/results/bench_moe_sum_sweep.json.
 """
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -17,16 +28,58 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from benchmarks._common import bench_us, gbps, print_table, rotating, write_json  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    bench_us,
+    gbps,
+    graph_us,
+    host_us,
+    print_table,
+    rotating,
+    write_json,
+)
 from vllm_moe_fixes.ops.moe_sum import default_moe_sum_config, moe_sum, moe_sum_triton  # noqa: E402
 
 TOPK, K = 8, 7168
 MS = (256, 4096, 16384)
 
 
+@triton.jit
+def _byte_floor_kernel(x_ptr, out_ptr, K, TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """moe_sum's memory traffic without its arithmetic: x [M, TOPK, K] and out [M, K] contiguous
+    16-bit words; out[m] = XOR over t of x[m, t] (every load is used, so none is dropped)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = cols < K
+    ptrs = x_ptr + row * TOPK * K + cols
+    acc = tl.load(ptrs, mask=mask, other=0)
+    for _ in tl.static_range(1, TOPK):
+        ptrs += K
+        acc ^= tl.load(ptrs, mask=mask, other=0)
+    tl.store(out_ptr + row * K + cols, acc, mask=mask)
+
+
+def _byte_floor(x, o):
+    M, topk, K_ = x.shape
+    block_k = default_moe_sum_config(M, K_)["block_k"]
+    _byte_floor_kernel[(M, triton.cdiv(K_, block_k))](x.view(torch.int16), o.view(torch.int16),
+                                                      K_, TOPK=topk, BLOCK_K=block_k,
+                                                      num_warps=4)
+
+
 def _bytes(M):
     return M * TOPK * K * 2 + M * K * 2
+
+
+def _make(M, _):
+    return (torch.randn((M, TOPK, K), dtype=torch.bfloat16, device="cuda"),
+            torch.empty((M, K), dtype=torch.bfloat16, device="cuda"))
+
+
+def _public(x, o):
+    moe_sum(x, out=o)
 
 
 def main():
@@ -35,25 +88,28 @@ def main():
     args = parser.parse_args()
     rows, sweep = [], []
     for M in MS:
-        sets = rotating(lambda _: (torch.randn((M, TOPK, K), dtype=torch.bfloat16, device="cuda"),
-                                   torch.empty((M, K), dtype=torch.bfloat16, device="cuda")),
-                        _bytes(M))
+        sets = rotating(functools.partial(_make, M), _bytes(M))
         nbytes = _bytes(M)
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        t = bench_us(lambda x, o: moe_sum(x, out=o), sets)
-        t_sum = bench_us(lambda x, o: torch.sum(x, dim=1, out=o), sets)
-        t_copy = bench_us(lambda: dst.copy_(src), [()])
+        t = bench_us(_public, sets)
+        g = graph_us(_public, sets)
+        t_sum = graph_us(lambda x, o: torch.sum(x, dim=1, out=o), sets)
+        t_floor = graph_us(_byte_floor, sets)
+        t_copy = graph_us(dst.copy_, [(src,)])
         rows.append({
             "M": M, "topk": TOPK, "K": K, "config": str(default_moe_sum_config(M, K)),
-            "us": t, "GB/s": gbps(nbytes, t), "torch_sum_us": t_sum,
-            "torch_sum_GB/s": gbps(nbytes, t_sum), "x_vs_torch": t_sum / t, "copy_us": t_copy,
-            "copy_GB/s": gbps(nbytes, t_copy),
+            "us": t, "GB/s": gbps(nbytes, t), "graph_us": g, "graph_GB/s": gbps(nbytes, g),
+            "launcher_us": bench_us(moe_sum_triton, sets),
+            "host_us": host_us(_public, sets), "launcher_host_us": host_us(moe_sum_triton, sets),
+            "torch_sum_us": t_sum, "torch_sum_GB/s": gbps(nbytes, t_sum),
+            "x_vs_torch": t_sum / g, "floor_us": t_floor, "floor_GB/s": gbps(nbytes, t_floor),
+            "copy_us": t_copy, "copy_GB/s": gbps(nbytes, t_copy),
         })
         if args.sweep:
             for bm, bk, w in itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (4, 8, 16)):
-                us = bench_us(lambda x, o: moe_sum_triton(x, o, block_m=bm, block_k=bk,
-                                                          num_warps=w), sets, rep=50)
+                launch = functools.partial(moe_sum_triton, block_m=bm, block_k=bk, num_warps=w)
+                us = bench_us(launch, sets, rep=50)
                 sweep.append({"M": M, "block_m": bm, "block_k": bk, "num_warps": w, "us": us,
                               "GB/s": gbps(nbytes, us)})
         del sets, src, dst
@@ -61,7 +117,7 @@ def main():
     print_table(rows, list(rows[0]))
     write_json("bench_moe_sum", {"dtype": "bfloat16", "rows": rows})
     if args.sweep:
-        print("\nSweep, best 8 per M:")
+        print("\nSweep (launcher, eager), best 8 per M:")
         for M in MS:
             best = sorted((r for r in sweep if r["M"] == M), key=lambda r: r["us"])[:8]
             print_table(best, list(best[0]))

@@ -5,8 +5,10 @@ import math
 
 import pytest
 import torch
+import triton
 
 from vllm_moe_fixes.ops.fp8_quant import (
+    next_power_of_2,
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_triton,
 )
@@ -102,6 +104,33 @@ def test_round_in_fp32_matters_under_interpreter(kernel_device):
     assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("round_in_fp32", [True, False])
+def test_round_in_fp32_keeps_sign_of_zero(round_in_fp32, kernel_device):
+    """Quotients that round to zero keep their sign (-0.0 is byte 0x80), like torch's cast. The
+    group max 448 makes the scale ~1, so v ~ x: tiny negatives below 2**-10 must give 0x80, ties
+    at 2**-10 go to even (0), -1e-3 goes to -2**-9 (0x81). round_in_fp32=False is the GPU's cast
+    (the interpreter's own float8 cast is not exact, so that case is checked on the GPU only)."""
+    if not round_in_fp32 and kernel_device == "cpu":
+        pytest.skip("the interpreter's float8 cast is not RNE; covered by round_in_fp32=True")
+    vals = [448.0, -1e-4, -3e-7, -2.0**-10, -1e-3, 1e-4, 2.0**-10, -2.0**-126, -0.0]
+    x = torch.tensor(vals + [-5e-5] * (128 - len(vals)), dtype=torch.float32,
+                     device=kernel_device).repeat(3, 1)
+    x_q = torch.full((3, 128), 0x7F, dtype=torch.uint8, device=kernel_device).view(FP8)
+    x_s = torch.empty((3, 1), device=kernel_device)
+    per_token_group_quant_fp8_triton(x, x_q, x_s, 128, 1e-10, False, round_in_fp32=round_in_fp32)
+    got = x_q.view(torch.uint8).cpu()
+    want = [0x7E, 0x80, 0x80, 0x80, 0x81, 0x00, 0x00, 0x80, 0x80]
+    assert got[:, :len(vals)].tolist() == [want] * 3
+    assert (got[:, len(vals):] == 0x80).all()
+    ref_q, _ = per_token_group_quant_fp8_ref(x, 128, 1e-10, False)
+    assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+def test_next_power_of_2_matches_triton():
+    assert [next_power_of_2(n) for n in range(1, 5000)] == [
+        triton.next_power_of_2(n) for n in range(1, 5000)]
+
+
 @pytest.mark.parametrize("shape", SHAPES + [(2, 3, 256), (256,)])
 @pytest.mark.parametrize("group_size", [64, 128])
 @pytest.mark.parametrize("use_ue8m0", [False, True])
@@ -177,7 +206,7 @@ def test_errors():
 # ---------------------------------------------------------------- GPU (bit-exact, > 2**31)
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 128), (33, 512), (4096, 7168), (3, 5, 1024)])
+@pytest.mark.parametrize("shape", [(1, 128), (33, 512), (4096, 7168), (3, 5, 1024), (1024,)])
 @pytest.mark.parametrize("layout", ["row", "col", "tma"])
 @pytest.mark.parametrize("use_ue8m0", [False, True])
 def test_gpu_bit_exact(shape, layout, use_ue8m0):
@@ -189,14 +218,16 @@ def test_gpu_bit_exact(shape, layout, use_ue8m0):
     ref_q, ref_s = per_token_group_quant_fp8_ref(x, 128, 1e-10, use_ue8m0)
     assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(x_s, ref_s)
-    # The float32 grid rounding (used under the interpreter) gives the same bits on the GPU.
-    q2 = torch.empty_like(x_q)
+    # The float32 grid rounding (used under the interpreter) gives the same bits on the GPU,
+    # -0.0 for tiny negatives included (triton 3.6 once turned those into +0.0: fp8_quant.py).
+    q2 = torch.full_like(x_q.view(torch.uint8), 0x7F).view(FP8)
     s2 = torch.empty_like(ref_s)
     per_token_group_quant_fp8_triton(x.view(-1, shape[-1]), q2.view(-1, shape[-1]),
                                      s2.view(-1, shape[-1] // 128), 128, 1e-10, use_ue8m0,
                                      round_in_fp32=True)
     assert torch.equal(q2.view(torch.uint8), ref_q.view(torch.uint8))
     _check(x.cpu(), x_q.cpu(), x_s.cpu(), 128, 1e-10, use_ue8m0)
+    _check(x.cpu(), q2.cpu(), x_s.cpu(), 128, 1e-10, use_ue8m0)
 
 
 @pytest.mark.gpu

@@ -75,7 +75,8 @@ def test_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,topk,K", [(1, 8, 7168), (257, 8, 7168), (4096, 6, 2048), (33, 1, 100)])
+@pytest.mark.parametrize("M,topk,K", [(1, 8, 7168), (257, 8, 7168), (1025, 8, 7168),
+                                     (4096, 6, 2048), (33, 1, 100)])
 def test_gpu_bit_exact(M, topk, K):
     x = _make_x(M, topk, K, device="cuda", seed=3)
     assert torch.equal(moe_sum(x), moe_sum_ref(x))

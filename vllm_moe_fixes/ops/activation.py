@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_moe_fixes.ops.fp8_quant import interpreting, round_to_bf16_grid
+from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2, round_to_bf16_grid
 from vllm_moe_fixes.ops.reference import silu_and_mul_ref
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -40,11 +40,11 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int = 1,
     M, N = out.shape
     if M == 0 or N == 0:
         return
-    block_n = block_n or min(1024, triton.next_power_of_2(N))
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    block_n = block_n or min(1024, next_power_of_2(N))
+    grid = ((M + block_m - 1) // block_m, (N + block_n - 1) // block_n)
     _silu_and_mul_kernel[grid](x, out, M, N, x.stride(0), out.stride(0),
                                BLOCK_M=block_m, BLOCK_N=block_n,
-                               ROUND_BF16=interpreting() and out.dtype == torch.bfloat16,
+                               ROUND_BF16=INTERPRETING and out.dtype == torch.bfloat16,
                                num_warps=num_warps)
 
 
@@ -62,11 +62,14 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if not isinstance(x, torch.Tensor) or x.dtype not in _SUPPORTED:
         raise ValueError(f"x must be a bfloat16/float16/float32 tensor, got "
                          f"{getattr(x, 'dtype', type(x))}")
-    if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"x must be [..., 2N] with an even last dimension, got {tuple(x.shape)}")
+    in_shape = x.shape
+    ndim = len(in_shape)
+    if ndim == 0 or in_shape[-1] % 2:
+        raise ValueError(f"x must be [..., 2N] with an even last dimension, got {tuple(in_shape)}")
     if x.stride(-1) != 1 and x.numel() > 1:
         raise ValueError(f"x's last dimension must be contiguous, got strides {tuple(x.stride())}")
-    shape = (*x.shape[:-1], x.shape[-1] // 2)
+    n = in_shape[-1] // 2
+    shape = (*in_shape[:-1], n)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     elif not isinstance(out, torch.Tensor) or out.dtype != x.dtype:
@@ -75,7 +78,10 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         raise ValueError(f"out must be a contiguous {list(shape)} tensor on {x.device}, got "
                          f"{tuple(out.shape)} on {out.device}")
     if x.is_cuda:
-        silu_and_mul_triton(x.reshape(-1, x.shape[-1]), out.view(-1, shape[-1]))
+        if ndim == 2:  # the engine's case: no reshapes
+            silu_and_mul_triton(x, out)
+        else:
+            silu_and_mul_triton(x.reshape(-1, 2 * n), out.view(-1, n))
     else:
         out.copy_(silu_and_mul_ref(x))
     return out

@@ -3,12 +3,16 @@
 Kernel design: one program quantises a tile of BLOCK_M rows x GROUPS_PER_PROG groups, laid out as
 a 2-D block [BLOCK_M * GROUPS_PER_PROG, group_size] (one group per block row), so the per-group
 max is a single `tl.max(axis=1)` and each program keeps many bytes in flight (the default tile is
-4 rows x 8 groups x 128 channels = 8 KiB of bf16). Row i of the block is row i // GROUPS_PER_PROG
+8 rows x 8 groups x 128 channels = 16 KiB of bf16). Row i of the block is row i // GROUPS_PER_PROG
 of the tile and group i % GROUPS_PER_PROG; groups past K / group_size are masked, so any number of
 groups works (7168 / 128 = 56 = 7 tiles of 8). All offsets are int64.
 
 The arithmetic is spelled out once, in reference.py; the kernel performs the same float32
 operations in the same order, so on a GPU it matches `per_token_group_quant_fp8_ref` bit for bit.
+
+Host cost matters as much as the kernel for small M (decode): the public op validates with plain
+attribute reads, allocates at most two tensors, reshapes only inputs that are not already 2-D and
+launches with a fixed config, so it adds a few microseconds of Python to Triton's own launch.
 """
 
 import os
@@ -20,11 +24,26 @@ import triton.language as tl
 from vllm_moe_fixes.ops.reference import INV_FP8_MAX, per_token_group_quant_fp8_ref
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = torch.float8_e4m3fn
+
+# Triton chooses between compiling and interpreting when a kernel is decorated (at import), so the
+# launchers read the same decision once, here, instead of the environment on every call.
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+_INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)  # float32(1/448), exact as a float32 kernel constant
+
+# Default launch config, from the H200 sweep (benchmarks/bench_quant.py --sweep, K = 7168, bf16,
+# triton 3.6): block_m 8, 8 groups per program, 8 warps has the smallest worst-case slowdown over
+# M in {256, 4096, 16384, 65536} against each M's best config (1.04): 6.0 / 28.2 / 93.4 / 358.2 us
+# (3823 and 3976 GB/s at 16384 and 65536) against per-M bests of 5.8 / 27.6 / 93.0 / 357.7 us.
+QUANT_BLOCK_M, QUANT_GROUPS_PER_PROG, QUANT_NUM_WARPS = 8, 8, 8
 
 
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1). Plain Python on purpose: triton.next_power_of_2 and
+    triton.cdiv are ConstexprFunction objects in triton 3.6 and 3.9 and cost ~2 us per host call,
+    which the launchers here used to pay three times per launch."""
+    return 1 << (n - 1).bit_length()
 
 
 @triton.jit
@@ -33,7 +52,8 @@ def round_to_bf16_grid(v):
 
     Triton 3.9's interpreter truncates float32 -> bfloat16 casts (round toward zero); the GPU
     rounds to nearest even. Kernels that store bfloat16 call this first under the interpreter
-    (a constexpr flag), so the cast that follows is exact. Same bit trick as below, 16 bits.
+    (a constexpr flag), so the cast that follows is exact. Integer-only: add half a bf16 ulp minus
+    one plus the kept lowest bit (round-to-nearest-even on the bit pattern), clear 16 bits.
     """
     bits = v.to(tl.int32, bitcast=True)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
@@ -43,26 +63,28 @@ def round_to_bf16_grid(v):
 def _round_to_e4m3_grid(v):
     """Round float32 v (|v| <= 448) to the nearest float8_e4m3fn value, ties to even, in float32.
 
+    Works on the magnitude's bits and ORs the sign bit back at the end, so every result, -0.0
+    included, has v's sign on any backend. (An earlier version negated with `-t`: triton 3.6
+    lowers that to `0.0 - t`, which turns -0.0 into +0.0, so tiny negatives came out +0 on the GPU
+    while the hardware cast and torch give -0; triton 3.9 emits neg.f32, which flips the bit.)
     Normals (|v| >= 2**-6) keep 3 of float32's 23 mantissa bits: add half an e4m3 ulp minus one
     plus the kept lowest bit (round-to-nearest-even on the bit pattern), then clear the 20 dropped
     bits; a carry moves into the exponent as it should. Subnormals (|v| < 2**-6) sit on a fixed
     2**-9 grid: |v| + 1.5 * 2**14 has a float32 ulp of exactly 2**-9, so the IEEE add rounds |v|
-    to that grid (ties to even) and the subtraction is exact. The sign is put back afterwards so
-    that tiny negatives give -0.0, as the hardware cast does.
+    to that grid (ties to even) and the subtraction is exact (both compile to plain add.f32).
     """
     bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    tiny = (tl.abs(v) + 24576.0) - 24576.0
-    tiny = tl.where(v < 0, -tiny, tiny)
-    return tl.where(tl.abs(v) < 0.015625, tiny, normal)
+    sign = bits & -2147483648  # 0x80000000
+    mag = bits & 0x7FFFFFFF
+    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576
+    a = mag.to(tl.float32, bitcast=True)
+    tiny = ((a + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+    return (tl.where(a < 0.015625, tiny, normal) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _per_token_group_quant_fp8_kernel(
-    x_ptr, q_ptr, s_ptr,
-    M, num_groups,
-    x_row_stride, q_row_stride, s_row_stride, s_group_stride,
-    eps, inv_fp8_max,
+    x_ptr, q_ptr, s_ptr, M, num_groups, x_row_stride, s_row_stride, s_group_stride, eps,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
     UE8M0: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
 ):
@@ -76,7 +98,7 @@ def _per_token_group_quant_fp8_kernel(
     x = tl.load(x_ptr + (rows * x_row_stride + groups * GROUP)[:, None] + cols[None, :],
                 mask=mask, other=0.0).to(tl.float32)
     # scale = max(amax, eps) * float32(1/448); ue8m0 rounds it up to a power of two on the bits.
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) * inv_fp8_max
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) * _INV_FP8_MAX
     if UE8M0:
         scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32,
                                                                                  bitcast=True)
@@ -85,64 +107,47 @@ def _per_token_group_quant_fp8_kernel(
     q = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
     if ROUND_IN_FP32:
         q = _round_to_e4m3_grid(q)
-    tl.store(q_ptr + (rows * q_row_stride + groups * GROUP)[:, None] + cols[None, :],
+    # x_q is contiguous: its row stride is K = num_groups * GROUP.
+    tl.store(q_ptr + (rows * num_groups + groups)[:, None] * GROUP + cols[None, :],
              q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows * s_row_stride + groups * s_group_stride, scale, mask=valid)
 
 
-def default_quant_config(num_rows: int, num_groups: int) -> dict:
-    """Default launch config: 8 groups per program when K allows it (fewer for narrow K), 4 rows
-    per program once there are enough rows to fill the GPU (>= 1024), else 1, 4 warps."""
-    groups = min(8, triton.next_power_of_2(num_groups))
-    return {"block_m": 4 if num_rows >= 1024 else 1, "groups_per_prog": groups, "num_warps": 4}
-
-
 def per_token_group_quant_fp8_triton(
     x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, group_size: int, eps: float,
-    use_ue8m0: bool, *, block_m: int | None = None, groups_per_prog: int | None = None,
-    num_warps: int | None = None, round_in_fp32: bool | None = None,
+    use_ue8m0: bool, *, block_m: int = QUANT_BLOCK_M, groups_per_prog: int | None = None,
+    num_warps: int = QUANT_NUM_WARPS, round_in_fp32: bool = INTERPRETING,
 ) -> None:
     """Launch the quant kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    x: [M, K] with stride(1) == 1; x_q: float8_e4m3fn [M, K] with stride(1) == 1 (written);
-    x_s: float32 [M, K // group_size] with any strides (written). block_m, groups_per_prog
-    (powers of two) and num_warps override `default_quant_config`. round_in_fp32 rounds to the
-    e4m3 grid in float32 before the cast; default: only under the interpreter, whose float8 cast
-    rounds wrongly (environment.md). The GPU's cast is already exact RNE, so there it is optional
-    and gives identical bits (tested); the sweep in benchmarks/bench_quant.py measures its cost.
+    x: [M, K] with stride(1) == 1; x_q: float8_e4m3fn [M, K], contiguous (written);
+    x_s: float32 [M, K // group_size] with any strides (written). block_m and groups_per_prog
+    (powers of two; groups_per_prog defaults to min(8, next power of two of K // group_size)) and
+    num_warps override the sweep's defaults above. round_in_fp32 rounds to the e4m3 grid in
+    float32 before the cast; default: only under the interpreter, whose float8 cast rounds wrongly
+    (environment.md). The GPU's cast is already exact RNE, so there it is optional and gives
+    identical bits (tested); the sweep in benchmarks/bench_quant.py measures its cost.
     """
     M, K = x.shape
     num_groups = K // group_size
     if M == 0 or num_groups == 0:
         return
-    cfg = default_quant_config(M, num_groups)
-    block_m = block_m or cfg["block_m"]
-    groups_per_prog = groups_per_prog or cfg["groups_per_prog"]
-    if round_in_fp32 is None:
-        round_in_fp32 = interpreting()
-    grid = (triton.cdiv(M, block_m), triton.cdiv(num_groups, groups_per_prog))
+    if groups_per_prog is None:
+        groups_per_prog = (QUANT_GROUPS_PER_PROG if num_groups >= QUANT_GROUPS_PER_PROG
+                           else next_power_of_2(num_groups))
+    grid = ((M + block_m - 1) // block_m, (num_groups + groups_per_prog - 1) // groups_per_prog)
     _per_token_group_quant_fp8_kernel[grid](
-        x, x_q, x_s, M, num_groups,
-        x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1),
-        eps, INV_FP8_MAX,
+        x, x_q, x_s, M, num_groups, x.stride(0), x_s.stride(0), x_s.stride(1), eps,
         GROUP=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog,
-        UE8M0=use_ue8m0, ROUND_IN_FP32=round_in_fp32, num_warps=num_warps or cfg["num_warps"],
+        UE8M0=use_ue8m0, ROUND_IN_FP32=round_in_fp32, num_warps=num_warps,
     )
-
-
-def _empty_scales(x: torch.Tensor, num_groups: int, column_major: bool, tma_aligned: bool):
-    if not column_major:
-        return torch.empty((*x.shape[:-1], num_groups), dtype=torch.float32, device=x.device)
-    M = x.shape[0]
-    ld = (M + 3) // 4 * 4 if tma_aligned else M
-    return torch.empty((num_groups, ld), dtype=torch.float32, device=x.device)[:, :M].t()
 
 
 def per_token_group_quant_fp8(
     x: torch.Tensor,
     group_size: int = 128,
     eps: float = 1e-10,
-    dtype: torch.dtype = torch.float8_e4m3fn,
+    dtype: torch.dtype = _FP8,
     column_major_scales: bool = False,
     tma_aligned_scales: bool = False,
     out_q: torch.Tensor | None = None,
@@ -173,11 +178,13 @@ def per_token_group_quant_fp8(
     if not isinstance(x, torch.Tensor) or x.dtype not in _SUPPORTED_X:
         raise ValueError(f"x must be a bfloat16/float16/float32 tensor, got "
                          f"{getattr(x, 'dtype', type(x))}")
-    if x.dim() < 1:
+    ndim = x.dim()
+    if ndim == 0:
         raise ValueError("x must have at least one dimension [..., K]")
     if not isinstance(group_size, int) or group_size <= 0 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a positive power of two, got {group_size!r}")
-    K = x.shape[-1]
+    shape = x.shape
+    K = shape[-1]
     if K % group_size:
         raise ValueError(f"x's last dimension K={K} is not a multiple of group_size={group_size}")
     if x.stride(-1) != 1 and x.numel() > 1:
@@ -185,32 +192,45 @@ def per_token_group_quant_fp8(
                          f"{tuple(x.stride())}")
     if not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
-    if dtype != torch.float8_e4m3fn:
+    if dtype is not _FP8:
         raise ValueError(f"dtype must be torch.float8_e4m3fn, got {dtype}")
-    if tma_aligned_scales and not column_major_scales:
+    if column_major_scales:
+        if ndim != 2:
+            raise ValueError(f"column_major_scales needs a 2-D x [M, K], got shape "
+                             f"{tuple(shape)}")
+    elif tma_aligned_scales:
         raise ValueError("tma_aligned_scales=True needs column_major_scales=True")
-    if column_major_scales and x.dim() != 2:
-        raise ValueError(f"column_major_scales needs a 2-D x [M, K], got shape {tuple(x.shape)}")
-    if out_q is not None:
-        if not isinstance(out_q, torch.Tensor) or out_q.dtype != dtype:
-            raise ValueError(f"out_q must be a {dtype} tensor, got "
-                             f"{getattr(out_q, 'dtype', type(out_q))}")
-        if out_q.shape != x.shape or out_q.device != x.device:
-            raise ValueError(f"out_q must have x's shape {tuple(x.shape)} on {x.device}, got "
-                             f"{tuple(out_q.shape)} on {out_q.device}")
-        if not out_q.is_contiguous():
-            raise ValueError("out_q must be contiguous")
-
-    x_q = out_q if out_q is not None else torch.empty(x.shape, dtype=dtype, device=x.device)
-    x_s = _empty_scales(x, K // group_size, column_major_scales, tma_aligned_scales)
-    if x.numel() == 0:
-        return x_q, x_s
-    if x.is_cuda:
-        # Column-major scales are already 2-D; row-major ones flatten like x.
-        s2 = x_s if column_major_scales else x_s.view(-1, K // group_size)
-        per_token_group_quant_fp8_triton(x.reshape(-1, K), x_q.view(-1, K), s2, group_size, eps,
-                                         use_ue8m0)
+    device = x.device
+    if out_q is None:
+        x_q = torch.empty(shape, dtype=_FP8, device=device)
+    elif not isinstance(out_q, torch.Tensor) or out_q.dtype is not _FP8:
+        raise ValueError(f"out_q must be a {dtype} tensor, got "
+                         f"{getattr(out_q, 'dtype', type(out_q))}")
+    elif out_q.shape != shape or out_q.device != device:
+        raise ValueError(f"out_q must have x's shape {tuple(shape)} on {device}, got "
+                         f"{tuple(out_q.shape)} on {out_q.device}")
+    elif not out_q.is_contiguous():
+        raise ValueError("out_q must be contiguous")
     else:
+        x_q = out_q
+
+    num_groups = K // group_size
+    if column_major_scales:
+        # [M, G] with strides (1, ld): column g is a contiguous run of M scales; the storage holds
+        # G * ld floats (the padded layout DeepGEMM reads), allocated in one call.
+        M = shape[0]
+        ld = (M + 3) & -4 if tma_aligned_scales else M
+        x_s = torch.empty(num_groups * ld, dtype=torch.float32, device=device).as_strided(
+            (M, num_groups), (1, ld))
+    else:
+        x_s = torch.empty((*shape[:-1], num_groups), dtype=torch.float32, device=device)
+    if x.is_cuda:
+        if ndim == 2:
+            per_token_group_quant_fp8_triton(x, x_q, x_s, group_size, eps, use_ue8m0)
+        elif x.numel():
+            per_token_group_quant_fp8_triton(x.reshape(-1, K), x_q.view(-1, K),
+                                             x_s.view(-1, num_groups), group_size, eps, use_ue8m0)
+    elif x.numel():
         q, s = per_token_group_quant_fp8_ref(x, group_size, eps, use_ue8m0)
         x_q.copy_(q)
         x_s.copy_(s)

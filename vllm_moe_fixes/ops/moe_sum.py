@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_moe_fixes.ops.fp8_quant import interpreting, round_to_bf16_grid
+from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2, round_to_bf16_grid
 from vllm_moe_fixes.ops.reference import moe_sum_ref
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -38,13 +38,17 @@ def _moe_sum_kernel(
 
 
 def default_moe_sum_config(num_rows: int, K: int) -> dict:
-    """Default launch config: 1 row x up to 1024 channels per program (7168 = 7 x 1024), 4 warps
-    (8 bf16 = 16 bytes per thread per top-k slice)."""
-    return {"block_m": 1, "block_k": min(1024, triton.next_power_of_2(K)), "num_warps": 4}
+    """Default launch config, from the H200 sweep (benchmarks/bench_moe_sum.py --sweep, top-8,
+    K = 7168, bf16, triton 3.6): one row per program, 4 warps; 4096 channels per program from
+    1024 rows up (129.9 us = 4070 GB/s at 4096 rows, 487.5 us = 4336 GB/s at 16384, the best
+    there), 2048 below (13.9 us at 256 rows, the best there; 4096 gives 15.1 us: 2 programs per
+    row leave too few programs for 132 SMs). Capped at K's next power of two."""
+    block_k = 4096 if num_rows >= 1024 else 2048
+    return {"block_m": 1, "block_k": min(block_k, next_power_of_2(K)), "num_warps": 4}
 
 
 def moe_sum_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int | None = None,
-                   block_k: int | None = None, num_warps: int | None = None) -> None:
+                   block_k: int | None = None, num_warps: int = 4) -> None:
     """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
     x: [M, topk, K], any strides; out: [M, K] of x's dtype, any strides (written). block_m and
@@ -53,15 +57,14 @@ def moe_sum_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int | None = 
     M, topk, K = x.shape
     if M == 0 or K == 0:
         return
-    cfg = default_moe_sum_config(M, K)
-    block_m = block_m or cfg["block_m"]
-    block_k = block_k or cfg["block_k"]
-    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    if block_k is None:
+        block_k = default_moe_sum_config(M, K)["block_k"]
+    block_m = block_m or 1
+    grid = ((M + block_m - 1) // block_m, (K + block_k - 1) // block_k)
     _moe_sum_kernel[grid](
-        x, out, M, K, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
+        x, out, M, K, *x.stride(), *out.stride(),
         TOPK=topk, BLOCK_M=block_m, BLOCK_K=block_k,
-        ROUND_BF16=interpreting() and out.dtype == torch.bfloat16,
-        num_warps=num_warps or cfg["num_warps"],
+        ROUND_BF16=INTERPRETING and out.dtype == torch.bfloat16, num_warps=num_warps,
     )
 
 
@@ -79,9 +82,10 @@ def moe_sum(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dtype not in _SUPPORTED:
         raise ValueError(f"x must be a bfloat16/float16/float32 tensor, got "
                          f"{getattr(x, 'dtype', type(x))}")
-    if x.dim() != 3 or x.shape[1] < 1:
-        raise ValueError(f"x must be [M, topk, K] with topk >= 1, got shape {tuple(x.shape)}")
-    M, _, K = x.shape
+    shape = x.shape
+    if len(shape) != 3 or shape[1] < 1:
+        raise ValueError(f"x must be [M, topk, K] with topk >= 1, got shape {tuple(shape)}")
+    M, _, K = shape
     if out is None:
         out = torch.empty((M, K), dtype=x.dtype, device=x.device)
     elif not isinstance(out, torch.Tensor) or out.dtype != x.dtype:
