@@ -12,12 +12,22 @@ def _make_x(M, topk, K, dtype=torch.bfloat16, device="cpu", seed=0):
     return torch.randn((M, topk, K), generator=g).mul_(4).to(dtype).to(device)
 
 
-def _expected(x):
-    """float32 running sum over topk in index order, written independently of reference.py."""
+def _expected(x, w=None):
+    """float32 running sum over topk in index order (each slot times its weight when given),
+    written independently of reference.py."""
     acc = torch.zeros((x.shape[0], x.shape[2]), dtype=torch.float32)
     for t in range(x.shape[1]):
-        acc += x[:, t].cpu().float()
+        slot = x[:, t].cpu().float()
+        if w is not None:
+            weight = w[:, t].cpu().unsqueeze(1)
+            slot = (slot * weight).masked_fill(weight == 0, 0.0)
+        acc += slot
     return acc.to(x.dtype)
+
+
+def _make_w(M, topk, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed + 100)
+    return torch.rand((M, topk), generator=g).add_(0.01).to(device)
 
 
 def _poisoned(shape, dtype, device):
@@ -38,6 +48,20 @@ def test_triton_launcher(M, topk, K, dtype, kernel_device):
     # float32 accumulation: differs from a sum rounded to x's dtype at every step
     torch.testing.assert_close(out.cpu().double(), x.cpu().double().sum(1),
                                rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,topk,K", CASES)
+def test_triton_launcher_weighted(M, topk, K, kernel_device):
+    x = _make_x(M, topk, K, torch.bfloat16, kernel_device, seed=5)
+    # weights as a strided view (every other column of a wider buffer)
+    w = _make_w(M, 2 * topk, kernel_device)[:, ::2]
+    if M > 1:  # zero-weight slots holding NaN add exactly 0
+        w[1, 0] = 0.0
+        x[1, 0] = float("nan")
+    out = _poisoned((M, K), torch.bfloat16, kernel_device)
+    moe_sum_triton(x, out, w)
+    assert torch.equal(out.cpu(), _expected(x, w))
+    assert torch.equal(out, moe_sum_ref(x, w))
 
 
 @pytest.mark.parametrize("tile", [(1, 64, 1), (4, 256, 4), (2, 1024, 8)])
@@ -62,8 +86,19 @@ def test_public_op_cpu(M, topk, K):
     assert torch.equal(given, out)
 
 
+def test_public_op_cpu_weighted():
+    x, w = _make_x(9, 3, 256, seed=6), _make_w(9, 3)
+    out = _poisoned((9, 256), torch.bfloat16, "cpu")
+    assert moe_sum(x, out=out, topk_weights=w) is out
+    assert torch.equal(out, _expected(x, w))
+
+
 def test_errors():
     x = torch.randn(4, 2, 64, dtype=torch.bfloat16)
+    for bad_w in (torch.rand(4, 2).double(), torch.rand(4, 3), torch.rand(2, 4), torch.rand(8),
+                  torch.rand(4, 2, device="meta"), [[1.0, 1.0]] * 4):
+        with pytest.raises(ValueError, match="topk_weights"):
+            moe_sum(x, topk_weights=bad_w)
     for bad in (x.double(), x.to(torch.int32), x[0], x.unsqueeze(0), x[:, :0], "x"):
         with pytest.raises(ValueError):
             moe_sum(bad)
@@ -80,6 +115,8 @@ def test_errors():
 def test_gpu_bit_exact(M, topk, K):
     x = _make_x(M, topk, K, device="cuda", seed=3)
     assert torch.equal(moe_sum(x), moe_sum_ref(x))
+    w = _make_w(M, topk, "cuda")
+    assert torch.equal(moe_sum(x, topk_weights=w), moe_sum_ref(x, w))
 
 
 @pytest.mark.gpu
@@ -98,3 +135,6 @@ def test_gpu_past_int32_elements():
     x = torch.randn((M, topk, K), dtype=torch.bfloat16, device="cuda")
     out = moe_sum(x)
     assert torch.equal(out[-tail:], moe_sum_ref(x[-tail:]))
+    w = _make_w(M, topk, "cuda")
+    out = moe_sum(x, topk_weights=w)
+    assert torch.equal(out[-tail:], moe_sum_ref(x[-tail:], w[-tail:]))

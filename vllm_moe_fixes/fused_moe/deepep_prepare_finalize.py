@@ -6,7 +6,7 @@ contiguous experts on what arrived, then weight, ``moe_sum`` and ``combine`` bac
 
     a1 [M, K] bf16 --quant--> (fp8 [M, K], f32 [M, K/128]) --dispatch--> (fp8 [M', K], f32 [M', K/128]),
         received ids (local, -1 = elsewhere) -> global ids (+ rank_expert_offset), weights (0 at -1)
-    experts -> [M', k, K] --(-1 slots := 0) * weights, moe_sum--> [M', K] --combine--> output [M, K]
+    experts -> [M', k, K] (-1 slots exact zeros) --weighted moe_sum--> [M', K] --combine--> output [M, K]
 
 Low-latency (BATCHED format): ``low_latency_dispatch`` builds the masked layout [E_l, R*N, K] with
 per-expert valid-row counts; the batched experts compute those rows; ``low_latency_combine``
@@ -89,15 +89,14 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
                  apply_router_weight_on_input) -> None:
-        """fused_expert_output [M', k, K] (modified in place): -1 slots set to exact zeros (a zero
-        weight would not cancel NaN garbage), times the weights, summed over k, combined back to
-        the source ranks and copied into output [M, K]."""
+        """fused_expert_output [M', k, K]: summed over k with the received weights (float32 math),
+        combined back to the source ranks and copied into output [M, K]. Slots with id -1 hold
+        exact zeros: the standard experts guarantee it (a zero weight alone would not cancel
+        garbage, 0 * NaN = NaN)."""
         if self._handle is None:
             raise ValueError("finalize called without a preceding prepare")
-        fused_expert_output.masked_fill_((topk_ids < 0).unsqueeze(-1), 0)
-        if not apply_router_weight_on_input:
-            fused_expert_output.mul_(topk_weights.unsqueeze(-1))  # float32 math, bf16 result
-        reduced = moe_sum(fused_expert_output)
+        reduced = moe_sum(fused_expert_output,
+                          topk_weights=None if apply_router_weight_on_input else topk_weights)
         combined, _, _ = self.buffer.combine(reduced, self._handle)
         self._handle = None
         output.copy_(combined)

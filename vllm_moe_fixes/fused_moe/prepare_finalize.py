@@ -16,8 +16,8 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
 
     prepare: a1q, a1q_scale = per-token 1x128 FP8 quantisation of a1 (a1 * weight first when
     apply_router_weight_on_input); topk_ids / topk_weights pass through unchanged.
-    finalize: fused_expert_output [M, k, K] *= topk_weights (in place, unless the weights were
-    applied on the input), then output = moe_sum over the k slots.
+    finalize: output = sum over the k slots of fused_expert_output [M, k, K] times topk_weights
+    (weights unless they were applied on the input): one weighted moe_sum pass, float32 math.
     """
 
     activation_format = ActivationFormat.STANDARD
@@ -31,6 +31,5 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
                  apply_router_weight_on_input) -> None:
-        if not apply_router_weight_on_input:
-            fused_expert_output.mul_(topk_weights.unsqueeze(-1))
-        moe_sum(fused_expert_output, out=output)
+        moe_sum(fused_expert_output, out=output,
+                topk_weights=None if apply_router_weight_on_input else topk_weights)

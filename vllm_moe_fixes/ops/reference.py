@@ -50,11 +50,19 @@ def per_token_group_quant_fp8_ref(
     return q.to(torch.float8_e4m3fn).flatten(-2), scale
 
 
-def moe_sum_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [M, topk, K] -> [M, K] in x's dtype, summed over topk in float32 in index order."""
-    acc = x[:, 0].float()
+def moe_sum_ref(x: torch.Tensor, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, topk, K] -> [M, K] in x's dtype: the topk slices (each times its float32 weight
+    topk_weights[:, t] when given; a zero weight gives exactly 0) summed in float32 in index
+    order."""
+    def term(t):
+        v = x[:, t].float()
+        if topk_weights is None:
+            return v
+        w = topk_weights[:, t, None].float()
+        return torch.where(w != 0, v * w, torch.zeros_like(v))
+    acc = term(0)
     for t in range(1, x.shape[1]):
-        acc = acc + x[:, t].float()
+        acc = acc + term(t)
     return acc.to(x.dtype)
 
 
