@@ -3,7 +3,7 @@
 Run from the repository root on a GPU:
 
     python benchmarks/bench_grouped_gemm.py          # table, benchmarks/results/grouped_gemm.json
-    python benchmarks/bench_grouped_gemm.py --sweep  # TFLOP/s of every block config per shape
+    python benchmarks/bench_grouped_gemm.py --sweep  # also TFLOP/s of every SWEEP config per shape
 
 TFLOP/s count useful rows only: 2 * groups * rows * N * K. Anchors measured in the same run:
 DeepGEMM when it imports (through vllm_moe_fixes._compat.deep_gemm), torch._scaled_mm FP8 dense
@@ -12,18 +12,17 @@ ceiling rather than a like-for-like), and a bf16 torch.matmul. figures.md's Deep
 (v2.6.1 on this workplace's H200) are printed beside them.
 """
 
-from __future__ import annotations
-
 import argparse
-import json
-import os
+import math
 import sys
+from pathlib import Path
 
-import torch
-import triton
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+import triton  # noqa: E402
 
+from benchmarks._common import bench_us, print_table, write_json  # noqa: E402
 from vllm_moe_fixes._compat import deep_gemm as dg  # noqa: E402
 from vllm_moe_fixes.ops.grouped_gemm import (  # noqa: E402
     default_config,
@@ -41,27 +40,50 @@ SHAPES = {
     (8, 1024, 7168, 2048): 1061,
     (32, 256, 4096, 7168): 904,
 }
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M). ptxas (sm_90a) spills with 128x256 at 8 warps
-# and 128x128 at 4 warps, so those are left out. 128x128/8 warps uses 208 registers: one CTA per
-# SM. The 4-warp 64x128 / 128x64 tiles (~222 registers, <= 96 KiB shared at 3-4 stages) fit two
-# CTAs per SM, so one CTA's scaling FMAs can overlap the other's tensor-core work.
-SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=g, num_warps=w, num_stages=s)
-         for bm, bn, w, s, g in [
-             (128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (128, 128, 8, 5, 8), (128, 128, 8, 6, 8),
-             (128, 128, 8, 4, 4), (128, 128, 8, 4, 16), (128, 128, 8, 4, 32),
-             (64, 256, 8, 3, 8), (64, 256, 8, 4, 8), (64, 128, 4, 3, 8), (64, 128, 4, 4, 8),
-             (64, 128, 4, 4, 16), (128, 64, 4, 3, 8), (128, 64, 4, 4, 8)]]
 
 
-# ---------------------------------------------------------------- minimal helpers (see report)
-def bench_ms(fn) -> float:
+def _cfg(bm, bn, warps, stages, group_m, maxnreg=None, dual=False, persistent=0, tma=False):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group_m, num_warps=warps, num_stages=stages,
+                maxnreg=maxnreg, DUAL_DOT=dual, PERSISTENT=persistent, TMA=tma)
+
+
+# Candidates of --sweep (see the config notes in ops/grouped_gemm.py). Shared memory per stage is
+# 24 KiB at 64x128, 32 KiB at 128x128, twice that with DUAL_DOT; an SM has 228 KiB and 64K
+# registers, so n resident CTAs (and PERSISTENT=n) are only offered where n fit.
+SWEEP = [
+    # tiles and pipelining (64x128/4w/4s/g16 is the default; 128x128/8w/4s/g8 the former one)
+    _cfg(64, 128, 4, 4, 16), _cfg(64, 128, 4, 3, 16), _cfg(64, 128, 4, 5, 16),
+    _cfg(64, 128, 4, 3, 8), _cfg(64, 128, 4, 4, 8), _cfg(64, 128, 4, 4, 32),
+    _cfg(128, 128, 8, 4, 8), _cfg(128, 128, 8, 4, 16), _cfg(128, 128, 8, 4, 4),
+    _cfg(64, 256, 8, 3, 16), _cfg(64, 256, 4, 3, 16),  # 64x256 at 4 warps spills (ptxas)
+    # maxnreg=168: 3 CTAs of 64x128 per SM
+    _cfg(64, 128, 4, 3, 16, maxnreg=168), _cfg(64, 128, 4, 2, 16, maxnreg=168),
+    _cfg(64, 128, 4, 3, 8, maxnreg=168),
+    # DUAL_DOT: two rescaled accumulator chains
+    _cfg(64, 128, 4, 3, 16, dual=True), _cfg(64, 128, 4, 2, 16, dual=True),
+    _cfg(128, 128, 8, 3, 16, dual=True), _cfg(128, 128, 8, 3, 8, dual=True),
+    # PERSISTENT: n programs per SM looping over the tiles
+    _cfg(64, 128, 4, 4, 16, persistent=2), _cfg(64, 128, 4, 3, 16, persistent=2),
+    _cfg(64, 128, 4, 3, 16, maxnreg=168, persistent=3), _cfg(128, 128, 8, 4, 16, persistent=1),
+    # both
+    _cfg(64, 128, 4, 2, 16, dual=True, persistent=2),
+    _cfg(128, 128, 8, 3, 16, dual=True, persistent=1),
+    # TMA descriptor loads (160 registers at 64x128: 3 CTAs per SM at <= 3 stages)
+    _cfg(64, 128, 4, 4, 16, tma=True), _cfg(64, 128, 4, 3, 16, tma=True),
+    _cfg(64, 128, 4, 3, 8, tma=True), _cfg(128, 128, 8, 4, 16, tma=True),
+    _cfg(64, 128, 4, 3, 16, maxnreg=168, persistent=3, tma=True),
+    _cfg(64, 128, 4, 2, 16, dual=True, tma=True),
+]
+
+
+def tflops(flops: float, us: float | None) -> float | None:
+    return None if us is None else flops / (us * 1e-6) / 1e12
+
+
+def timed_us(fn) -> float:
     fn()  # compile / JIT outside the timed region
     torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def tflops(flops: float, ms: float | None) -> float | None:
-    return None if ms is None else flops / (ms * 1e-3) / 1e12
+    return bench_us(fn, [()])
 
 
 def calc_diff(x, y) -> float:
@@ -69,8 +91,11 @@ def calc_diff(x, y) -> float:
     return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
 
 
-def fmt(v, spec=".0f"):
-    return "-" if v is None else format(v, spec)
+def config_name(cfg: dict) -> str:
+    name = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} {cfg['num_warps']}w {cfg['num_stages']}s "
+            f"g{cfg['GROUP_M']}") + (f" r{cfg['maxnreg']}" if cfg["maxnreg"] else "")
+    return name + (" dual" if cfg["DUAL_DOT"] else "") + (
+        f" pers{cfg['PERSISTENT']}" if cfg["PERSISTENT"] else "") + (" tma" if cfg["TMA"] else "")
 
 
 # ---------------------------------------------------------------- problems
@@ -107,34 +132,43 @@ def run_shape(shape, figure, sweep):
     rec = dict(groups=groups, rows=rows, N=N, K=K, figure_deepgemm_tflops=figure,
                config=default_config())
 
+    ref = None
     if sweep:
         rec["sweep"] = []
         for cfg in SWEEP:
+            out.fill_(float("nan"))
             try:
-                ms = bench_ms(lambda: grouped_fp8_gemm_contiguous_triton(a, w, out, m_idx, cfg))
+                us = timed_us(lambda c=cfg: grouped_fp8_gemm_contiguous_triton(a, w, out, m_idx, c))
             except Exception as exc:  # noqa: BLE001 (out of resources, ...): report and go on
-                print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
+                print(f"  {shape} {config_name(cfg)}: failed ({type(exc).__name__}: "
+                      f"{str(exc)[:80]})")
                 continue
-            rec["sweep"].append(dict(config=cfg, ms=ms, tflops=tflops(flops, ms)))
-            print(f"  {shape} {cfg}: {tflops(flops, ms):7.1f} TFLOP/s")
+            # Every variant must agree with the first one (the default config).
+            ref = out.clone() if ref is None else ref
+            diff = calc_diff(out, ref)
+            rec["sweep"].append(dict(config=cfg, us=us, tflops=tflops(flops, us), diff=diff))
+            print(f"  {shape} {config_name(cfg):<28} {tflops(flops, us):7.1f} TFLOP/s "
+                  f"(diff vs default {diff:.1e}{'  WRONG' if not diff < 1e-5 else ''})")
+        if not rec["sweep"]:
+            sys.exit(f"no config of SWEEP ran on {shape}")
         best = max(rec["sweep"], key=lambda r: r["tflops"])
-        print(f"  best for {shape}: {best['config']} {best['tflops']:.1f} TFLOP/s")
+        print(f"  best for {shape}: {config_name(best['config'])} {best['tflops']:.1f} TFLOP/s")
         rec["best"] = best
 
-    ms = bench_ms(lambda: grouped_fp8_gemm_contiguous_triton(a, w, out, m_idx))
-    rec["triton_ms"], rec["triton_tflops"] = ms, tflops(flops, ms)
-    ms = bench_ms(lambda: grouped_fp8_gemm_masked_triton(am, w, out_m, masked_m, rows))
-    rec["triton_masked_tflops"] = tflops(flops, ms)
+    us = timed_us(lambda: grouped_fp8_gemm_contiguous_triton(a, w, out, m_idx))
+    rec["triton_us"], rec["triton_tflops"] = us, tflops(flops, us)
+    us = timed_us(lambda: grouped_fp8_gemm_masked_triton(am, w, out_m, masked_m, rows))
+    rec["triton_masked_tflops"] = tflops(flops, us)
     triton_out = out.clone()
 
     rec["deepgemm_tflops"] = rec["deepgemm_masked_tflops"] = rec["diff_vs_deepgemm"] = None
     if dg.is_available():
-        ms = bench_ms(lambda: dg.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_idx))
-        rec["deepgemm_tflops"] = tflops(flops, ms)
+        us = timed_us(lambda: dg.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_idx))
+        rec["deepgemm_tflops"] = tflops(flops, us)
         rec["diff_vs_deepgemm"] = calc_diff(triton_out, out)
         try:
-            ms = bench_ms(lambda: dg.m_grouped_fp8_gemm_nt_masked(am, w, out_m, masked_m, rows))
-            rec["deepgemm_masked_tflops"] = tflops(flops, ms)
+            us = timed_us(lambda: dg.m_grouped_fp8_gemm_nt_masked(am, w, out_m, masked_m, rows))
+            rec["deepgemm_masked_tflops"] = tflops(flops, us)
         except RuntimeError as exc:
             print(f"  DeepGEMM masked GEMM unavailable: {exc}")
 
@@ -142,13 +176,55 @@ def run_shape(shape, figure, sweep):
     a_q = a[0]
     b = w[0][0]  # [N, K]: b.t() is the column-major operand _scaled_mm wants
     one = torch.ones((), device="cuda")
-    ms = bench_ms(lambda: torch._scaled_mm(a_q, b.t(), scale_a=one, scale_b=one,
+    us = timed_us(lambda: torch._scaled_mm(a_q, b.t(), scale_a=one, scale_b=one,
                                            out_dtype=torch.bfloat16))
-    rec["scaled_mm_tflops"] = tflops(flops, ms)
+    rec["scaled_mm_tflops"] = tflops(flops, us)
     x16, w16 = a_q.to(torch.bfloat16), b.to(torch.bfloat16).t()
-    ms = bench_ms(lambda: torch.matmul(x16, w16))
-    rec["bf16_tflops"] = tflops(flops, ms)
+    us = timed_us(lambda: torch.matmul(x16, w16))
+    rec["bf16_tflops"] = tflops(flops, us)
     return rec
+
+
+def _dash(v):
+    return "-" if v is None else v
+
+
+def print_results(records):
+    rows = []
+    for r in records:
+        t, d, fig = r["triton_tflops"], r["deepgemm_tflops"], r["figure_deepgemm_tflops"]
+        rows.append({
+            "groups x rows": f"{r['groups']} x {r['rows']}", "N": r["N"], "K": r["K"],
+            "triton": t, "masked": r["triton_masked_tflops"], "DeepGEMM": _dash(d),
+            "ratio": _dash(d and t / d), "fig.md": fig, "fig ratio": t / fig,
+            "DG masked": _dash(r["deepgemm_masked_tflops"]), "_scaled_mm": r["scaled_mm_tflops"],
+            "bf16": r["bf16_tflops"],
+            "diff vs DG": _dash(r["diff_vs_deepgemm"] and f"{r['diff_vs_deepgemm']:.1e}"),
+        })
+    print(f"\nTFLOP/s over useful rows on {torch.cuda.get_device_name()} (triton "
+          f"{triton.__version__}, torch {torch.__version__}, DeepGEMM "
+          f"{'present' if dg.is_available() else 'absent'})")
+    print_table(rows, list(rows[0]))
+    print("ratio = Triton / DeepGEMM (same run, target >= 0.70); fig ratio = Triton / "
+          "figures.md's DeepGEMM v2.6.1 figure; _scaled_mm is tensorwise FP8 (a ceiling).")
+
+
+def print_sweep(records):
+    """One row per config: TFLOP/s on each shape and the geometric mean of its ratio to the best."""
+    rows = []
+    for cfg in SWEEP:
+        row, ratios = {"config": config_name(cfg)}, []
+        for r in records:
+            hit = [s for s in r["sweep"] if s["config"] is cfg]
+            label = f"{r['groups']}x{r['rows']} {r['N']}/{r['K']}"
+            row[label] = hit[0]["tflops"] if hit else "-"
+            if hit:
+                ratios.append(hit[0]["tflops"] / r["best"]["tflops"])
+        row["vs best (geomean)"] = (math.exp(sum(map(math.log, ratios)) / len(ratios))
+                                    if len(ratios) == len(records) else "-")
+        rows.append(row)
+    print("\nSweep: TFLOP/s per config and shape; last column 1.0 = best on every shape")
+    print_table(rows, list(rows[0]))
 
 
 def main():
@@ -156,7 +232,6 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time every config of SWEEP too")
     parser.add_argument("--shapes", default="all",
                         help="comma-separated indices into the shape list (default: all)")
-    parser.add_argument("--out", default="benchmarks/results/grouped_gemm.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_grouped_gemm needs a CUDA GPU")
@@ -166,31 +241,10 @@ def main():
 
     torch.manual_seed(0)
     records = [run_shape(shape, fig, args.sweep) for shape, fig in shapes]
-
-    head = (f"{'groups x rows':>14} {'N':>5} {'K':>5} | {'triton':>6} {'masked':>6} | "
-            f"{'DeepGEMM':>8} {'ratio':>5} | {'fig.md':>6} {'ratio':>5} | {'DG mskd':>7} | "
-            f"{'_scaled_mm':>10} {'bf16':>5} | diff vs DG")
-    print(f"\nTFLOP/s over useful rows on {torch.cuda.get_device_name()} "
-          f"(triton {triton.__version__}, torch {torch.__version__}, "
-          f"DeepGEMM {'present' if dg.is_available() else 'absent'})")
-    print(head)
-    print("-" * len(head))
-    for r in records:
-        t, d = r["triton_tflops"], r["deepgemm_tflops"]
-        print(f"{r['groups']:>5} x {r['rows']:<6} {r['N']:>5} {r['K']:>5} | {t:6.0f} "
-              f"{r['triton_masked_tflops']:6.0f} | {fmt(d):>8} {fmt(d and t / d, '.2f'):>5} | "
-              f"{r['figure_deepgemm_tflops']:6d} {t / r['figure_deepgemm_tflops']:5.2f} | "
-              f"{fmt(r['deepgemm_masked_tflops']):>7} | {r['scaled_mm_tflops']:10.0f} "
-              f"{r['bf16_tflops']:5.0f} | {fmt(r['diff_vs_deepgemm'], '.1e')}")
-    print("ratio = Triton / DeepGEMM (same run, target >= 0.70); fig.md ratio = Triton / "
-          "figures.md's DeepGEMM v2.6.1 figure; _scaled_mm is tensorwise FP8 (a ceiling).")
-
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), triton=triton.__version__,
-                torch=torch.__version__, deepgemm=dg.is_available())
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, results=records), f, indent=1)
-    print(f"wrote {args.out}")
+    if args.sweep:
+        print_sweep(records)
+    print_results(records)
+    write_json("grouped_gemm", dict(deepgemm=dg.is_available(), results=records))
 
 
 if __name__ == "__main__":

@@ -171,6 +171,44 @@ def test_masked_triton(kernel_device, config, layout):
                                        atol=1e-2 * y.abs().max().item())
 
 
+# Kernel variants of DEFAULT_CONFIG's keys. K = 128 / 384 gives DUAL_DOT's odd tail alone and after
+# a pair; the interpreter's PERSISTENT grid is 2 programs per "SM" x 2 "SMs", so programs loop.
+# maxnreg is a compiler option: the interpreter accepts and ignores it (the GPU test runs it).
+VARIANTS = [
+    dict(DUAL_DOT=True),
+    dict(DUAL_DOT=True, BLOCK_M=32, BLOCK_N=256, num_stages=2),
+    dict(PERSISTENT=2, maxnreg=168),
+    dict(PERSISTENT=1, DUAL_DOT=True, GROUP_M=2),
+    dict(TMA=True),
+    dict(TMA=True, DUAL_DOT=True, PERSISTENT=1, BLOCK_M=32, BLOCK_N=256, num_stages=2),
+]
+VARIANT_IDS = ["dual", "dual-m32n256", "persistent-maxnreg", "persistent-dual", "tma",
+               "tma-dual-persistent-m32n256"]
+
+
+@pytest.mark.parametrize("K", [128, 384])
+@pytest.mark.parametrize("config", VARIANTS, ids=VARIANT_IDS)
+def test_variants_triton(kernel_device, config, K):
+    m_idx = contiguous_layout([1, 130, 0, 64], extra_pad_blocks=1).to(kernel_device)
+    M, E, N = m_idx.numel(), 4, 256
+    _, _, (a_q, a_s), (w_q, w_s) = make_problem(E, N, K, (M,), kernel_device, 40 + K)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+    grouped_fp8_gemm_contiguous_triton((a_q, a_s), (w_q, w_s), out, m_idx, config)
+    check_contiguous(out, a_q, a_s, w_q, w_s, m_idx, 1e-5)
+
+    masked_m = torch.tensor([0, 1, 70, 96], dtype=torch.int32, device=kernel_device)
+    a_q, a_s = a_q[:384].view(4, 96, K), mn_major(a_s[:384].view(4, 96, K // 128))
+    out = torch.full((4, 96, N), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+    grouped_fp8_gemm_masked_triton((a_q, a_s), (w_q, w_s), out, masked_m, None, config)
+    for e, m in enumerate(masked_m.tolist()):
+        assert out[e, m:].isnan().all(), "rows past masked_m must stay untouched"
+        if m:
+            y = expected_rows(a_q[e, :m], a_s[e, :m], w_q[e], w_s[e])
+            assert calc_diff(out[e, :m].float(), y) < 1e-5
+            torch.testing.assert_close(out[e, :m].float(), y, rtol=1e-2,
+                                       atol=1e-2 * y.abs().max().item())
+
+
 def test_public_api_on_cpu_uses_reference():
     m_idx = contiguous_layout([3, 129])
     _, _, (a_q, a_s), (w_q, w_s) = make_problem(2, 128, 256, (m_idx.numel(),), "cpu", 11)
@@ -275,6 +313,15 @@ def test_contiguous_validation_config_and_device():
         grouped_fp8_gemm_contiguous(**_contiguous_args(), config=dict(BLOCK_Q=1))
     with pytest.raises(ValueError, match="config"):
         grouped_fp8_gemm_masked(**_masked_args(), config=dict(BLOCK_N=192))
+    with pytest.raises(ValueError, match="PERSISTENT"):
+        grouped_fp8_gemm_masked(**_masked_args(), config=dict(PERSISTENT=-1))
+    with pytest.raises(ValueError, match="maxnreg"):
+        grouped_fp8_gemm_contiguous(**_contiguous_args(), config=dict(maxnreg=300))
+    args = _masked_args()  # experts not at a uniform row stride: no single TMA descriptor
+    a_q = torch.zeros(2, 16, 256, dtype=FP8)[:, :8]
+    args["a"] = (a_q, args["a"][1])
+    with pytest.raises(ValueError, match="TMA"):
+        grouped_fp8_gemm_masked_triton(**args, config=dict(TMA=True))
     args = _contiguous_args()
     args["m_indices"] = args["m_indices"].to("meta")
     with pytest.raises(ValueError, match="device"):
@@ -321,6 +368,31 @@ def test_contiguous_gpu(segments, N, K, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", VARIANTS + [dict(maxnreg=168, num_stages=3)],
+                         ids=VARIANT_IDS + ["maxnreg"])
+def test_variants_gpu(config):
+    segments, N, K = [1024, 700, 1, 0, 513], 4096, 7168 - 128  # odd number of K blocks
+    m_idx = contiguous_layout(segments, extra_pad_blocks=1).cuda()
+    M = m_idx.numel()
+    _, _, (a_q, a_s), (w_q, w_s) = make_problem(len(segments), N, K, (M,), "cuda", 23)
+    a_s = mn_major(a_s)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_fp8_gemm_contiguous((a_q, a_s), (w_q, w_s), out, m_idx, config)
+    check_contiguous(out, a_q, a_s, w_q, w_s, m_idx, 1e-5)
+
+    masked_m = torch.tensor([0, 1, 300, 511, 512], dtype=torch.int32, device="cuda")
+    a_q, a_s = a_q[:5 * 512].view(5, 512, K), mn_major(a_s[:5 * 512].reshape(5, 512, -1))
+    out = torch.full((5, 512, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_fp8_gemm_masked((a_q, a_s), (w_q, w_s), out, masked_m, None, config)
+    ref = torch.full_like(out, float("nan"))
+    grouped_fp8_gemm_masked_ref((a_q, a_s), (w_q, w_s), ref, masked_m)
+    for e, m in enumerate(masked_m.tolist()):
+        assert out[e, m:].isnan().all()
+        if m:
+            assert calc_diff(out[e, :m], ref[e, :m]) < 1e-5
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("expected_m", [None, 16, 256])
 def test_masked_gpu(expected_m):
     E, T, N, K = 8, 256, 4096, 7168
@@ -338,8 +410,11 @@ def test_masked_gpu(expected_m):
 
 
 def _big_fp8(shape, seed):
+    """Random FP8 values spread over e4m3fn's range. A plain cast does not saturate: magnitudes
+    past 448 become NaN, so clamp first."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16) * 100).to(FP8)
+    x = torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16) * 100
+    return x.clamp_(-448, 448).to(FP8)
 
 
 @pytest.mark.gpu
