@@ -81,20 +81,26 @@ CASES = [
 ]
 
 
-def _ht_cases(rank, world, hidden=256):
+def _rank_problems(rank, world, hidden):
+    """Each CASES problem as this rank sees it: (all ranks' ids, E, k, x, idx, w, the full
+    weights (w1, s1, w2, s2), this rank's slice (lw1, ls1, lw2, ls2, expert_map))."""
     dev = device_for(rank)
-    buffer = TorchAll2AllBuffer(None)
     for seed, tokens, E, k, mode in CASES:
         if E // world < 1:
             continue
         xs, ids, ws = make_problem(seed, tokens(world), E, k, hidden, mode, dev)
-        x, idx, w = xs[rank], ids[rank], ws[rank]
-        w1, s1, w2, s2 = make_weights(seed, E, hidden, dev)
-        lw1, ls1, lw2, ls2, expert_map = local_slice(rank, world, E, w1, s1, w2, s2)
+        full = make_weights(seed, E, hidden, dev)
+        yield ids, E, k, xs[rank], ids[rank], ws[rank], full, local_slice(rank, world, E, *full)
+
+
+def _ht_cases(rank, world, hidden=256):
+    buffer = TorchAll2AllBuffer(None)
+    for ids, E, k, x, idx, w, (w1, s1, w2, s2), (lw1, ls1, lw2, ls2, expert_map) in \
+            _rank_problems(rank, world, hidden):
         pf = DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world, rank_expert_offset=rank * (E // world))
         kernel = FusedMoEModularKernel(pf, TritonExperts())
         out = kernel(x, lw1, lw2, w, idx, w1_scale=ls1, w2_scale=ls2, global_num_experts=E,
-                        expert_map=expert_map)
+                     expert_map=expert_map)
         tight = None
         if x.shape[0]:
             noep = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
@@ -109,22 +115,16 @@ def _ht_cases(rank, world, hidden=256):
 
 
 def _ll_cases(rank, world, hidden=2048, max_tokens=20):
-    dev = device_for(rank)
     buffer = TorchAll2AllBuffer(None, low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens,
                                 hidden=hidden, num_experts=32)
-    for seed, tokens, E, k, mode in CASES:
-        if E // world < 1:
-            continue
-        xs, ids, ws = make_problem(seed, tokens(world), E, k, hidden, mode, dev)
-        x, idx, w = xs[rank], ids[rank], ws[rank]
-        w1, s1, w2, s2 = make_weights(seed, E, hidden, dev)
-        lw1, ls1, lw2, ls2, expert_map = local_slice(rank, world, E, w1, s1, w2, s2)
+    for _, E, k, x, idx, w, (w1, s1, w2, s2), (lw1, ls1, lw2, ls2, expert_map) in \
+            _rank_problems(rank, world, hidden):
         for fp8 in (True, False):
             pf = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=world, max_tokens_per_rank=max_tokens,
                                             use_fp8_dispatch=fp8)
             kernel = FusedMoEModularKernel(pf, BatchedTritonExperts())
             out = kernel(x, lw1, lw2, w, idx, w1_scale=ls1, w2_scale=ls2, global_num_experts=E,
-                            expert_map=expert_map)
+                         expert_map=expert_map)
             check(out, x, w1, s1, w2, s2, idx, w)
         if k == 1 and x.shape[0]:
             out = kernel(x, lw1, lw2, w, idx, w1_scale=ls1, w2_scale=ls2, global_num_experts=E,
