@@ -42,37 +42,16 @@ SHAPES = {
 }
 
 
-def _cfg(bm, bn, warps, stages, group_m, maxnreg=None, dual=False, persistent=0, tma=False):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group_m, num_warps=warps, num_stages=stages,
-                maxnreg=maxnreg, DUAL_DOT=dual, PERSISTENT=persistent, TMA=tma)
+def _cfg(bm, bn, warps, stages, group_m):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 
 
-# Candidates of --sweep (see the config notes in ops/grouped_gemm.py). Shared memory per stage is
-# 24 KiB at 64x128, 32 KiB at 128x128, twice that with DUAL_DOT; an SM has 228 KiB and 64K
-# registers, so n resident CTAs (and PERSISTENT=n) are only offered where n fit.
+# Candidates of --sweep: the default (first; see the measured table in ops/grouped_gemm.py) and
+# its neighbours, so a GPU run re-checks the choice in about a minute. Shared memory per stage is
+# 24 KiB at 64x128, 32 KiB at 128x128 (an SM has 228 KiB).
 SWEEP = [
-    # tiles and pipelining (64x128/4w/4s/g16 is the default; 128x128/8w/4s/g8 the former one)
-    _cfg(64, 128, 4, 4, 16), _cfg(64, 128, 4, 3, 16), _cfg(64, 128, 4, 5, 16),
-    _cfg(64, 128, 4, 3, 8), _cfg(64, 128, 4, 4, 8), _cfg(64, 128, 4, 4, 32),
-    _cfg(128, 128, 8, 4, 8), _cfg(128, 128, 8, 4, 16), _cfg(128, 128, 8, 4, 4),
-    _cfg(64, 256, 8, 3, 16), _cfg(64, 256, 4, 3, 16),  # 64x256 at 4 warps spills (ptxas)
-    # maxnreg=168: 3 CTAs of 64x128 per SM
-    _cfg(64, 128, 4, 3, 16, maxnreg=168), _cfg(64, 128, 4, 2, 16, maxnreg=168),
-    _cfg(64, 128, 4, 3, 8, maxnreg=168),
-    # DUAL_DOT: two rescaled accumulator chains
-    _cfg(64, 128, 4, 3, 16, dual=True), _cfg(64, 128, 4, 2, 16, dual=True),
-    _cfg(128, 128, 8, 3, 16, dual=True), _cfg(128, 128, 8, 3, 8, dual=True),
-    # PERSISTENT: n programs per SM looping over the tiles
-    _cfg(64, 128, 4, 4, 16, persistent=2), _cfg(64, 128, 4, 3, 16, persistent=2),
-    _cfg(64, 128, 4, 3, 16, maxnreg=168, persistent=3), _cfg(128, 128, 8, 4, 16, persistent=1),
-    # both
-    _cfg(64, 128, 4, 2, 16, dual=True, persistent=2),
-    _cfg(128, 128, 8, 3, 16, dual=True, persistent=1),
-    # TMA descriptor loads (160 registers at 64x128: 3 CTAs per SM at <= 3 stages)
-    _cfg(64, 128, 4, 4, 16, tma=True), _cfg(64, 128, 4, 3, 16, tma=True),
-    _cfg(64, 128, 4, 3, 8, tma=True), _cfg(128, 128, 8, 4, 16, tma=True),
-    _cfg(64, 128, 4, 3, 16, maxnreg=168, persistent=3, tma=True),
-    _cfg(64, 128, 4, 2, 16, dual=True, tma=True),
+    _cfg(64, 128, 4, 3, 16), _cfg(64, 128, 4, 4, 16), _cfg(64, 128, 4, 3, 8),
+    _cfg(64, 128, 4, 3, 32), _cfg(128, 128, 8, 4, 16),
 ]
 
 
@@ -92,10 +71,8 @@ def calc_diff(x, y) -> float:
 
 
 def config_name(cfg: dict) -> str:
-    name = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} {cfg['num_warps']}w {cfg['num_stages']}s "
-            f"g{cfg['GROUP_M']}") + (f" r{cfg['maxnreg']}" if cfg["maxnreg"] else "")
-    return name + (" dual" if cfg["DUAL_DOT"] else "") + (
-        f" pers{cfg['PERSISTENT']}" if cfg["PERSISTENT"] else "") + (" tma" if cfg["TMA"] else "")
+    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} {cfg['num_warps']}w {cfg['num_stages']}s "
+            f"g{cfg['GROUP_M']}")
 
 
 # ---------------------------------------------------------------- problems
@@ -139,21 +116,28 @@ def run_shape(shape, figure, sweep):
             out.fill_(float("nan"))
             try:
                 us = timed_us(lambda c=cfg: grouped_fp8_gemm_contiguous_triton(a, w, out, m_idx, c))
+                # Every config must agree with the first one (the default config).
+                ref = out.clone() if ref is None else ref
+                diff = calc_diff(out, ref)
+                out.fill_(float("nan"))  # the masked view of the same rows writes them again
+                us_m = timed_us(lambda c=cfg: grouped_fp8_gemm_masked_triton(am, w, out_m, masked_m,
+                                                                             rows, c))
             except Exception as exc:  # noqa: BLE001 (out of resources, ...): report and go on
                 print(f"  {shape} {config_name(cfg)}: failed ({type(exc).__name__}: "
                       f"{str(exc)[:80]})")
                 continue
-            # Every variant must agree with the first one (the default config).
-            ref = out.clone() if ref is None else ref
-            diff = calc_diff(out, ref)
-            rec["sweep"].append(dict(config=cfg, us=us, tflops=tflops(flops, us), diff=diff))
-            print(f"  {shape} {config_name(cfg):<28} {tflops(flops, us):7.1f} TFLOP/s "
-                  f"(diff vs default {diff:.1e}{'  WRONG' if not diff < 1e-5 else ''})")
+            diff_m = calc_diff(out, ref)
+            rec["sweep"].append(dict(config=cfg, us=us, tflops=tflops(flops, us), diff=diff,
+                                     masked_tflops=tflops(flops, us_m), masked_diff=diff_m))
+            bad = "  WRONG" if not max(diff, diff_m) < 1e-5 else ""
+            print(f"  {shape} {config_name(cfg):<18} {tflops(flops, us):7.1f} TFLOP/s, masked "
+                  f"{tflops(flops, us_m):7.1f} (diff vs default {diff:.1e} / {diff_m:.1e}{bad})")
         if not rec["sweep"]:
             sys.exit(f"no config of SWEEP ran on {shape}")
-        best = max(rec["sweep"], key=lambda r: r["tflops"])
-        print(f"  best for {shape}: {config_name(best['config'])} {best['tflops']:.1f} TFLOP/s")
-        rec["best"] = best
+        for key in ("tflops", "masked_tflops"):
+            best = max(rec["sweep"], key=lambda r, k=key: r[k])
+            print(f"  best {key} for {shape}: {config_name(best['config'])} {best[key]:.1f}")
+            rec["best_" + key] = best[key]
 
     us = timed_us(lambda: grouped_fp8_gemm_contiguous_triton(a, w, out, m_idx))
     rec["triton_us"], rec["triton_tflops"] = us, tflops(flops, us)
@@ -210,21 +194,23 @@ def print_results(records):
 
 
 def print_sweep(records):
-    """One row per config: TFLOP/s on each shape and the geometric mean of its ratio to the best."""
-    rows = []
-    for cfg in SWEEP:
-        row, ratios = {"config": config_name(cfg)}, []
-        for r in records:
-            hit = [s for s in r["sweep"] if s["config"] is cfg]
-            label = f"{r['groups']}x{r['rows']} {r['N']}/{r['K']}"
-            row[label] = hit[0]["tflops"] if hit else "-"
-            if hit:
-                ratios.append(hit[0]["tflops"] / r["best"]["tflops"])
-        row["vs best (geomean)"] = (math.exp(sum(map(math.log, ratios)) / len(ratios))
-                                    if len(ratios) == len(records) else "-")
-        rows.append(row)
-    print("\nSweep: TFLOP/s per config and shape; last column 1.0 = best on every shape")
-    print_table(rows, list(rows[0]))
+    """Per kernel, one row per config: TFLOP/s on each shape and the geometric mean of its ratio
+    to the best config of each shape."""
+    for key, kernel in (("tflops", "contiguous"), ("masked_tflops", "masked")):
+        rows = []
+        for cfg in SWEEP:
+            row, ratios = {"config": config_name(cfg)}, []
+            for r in records:
+                hit = [s for s in r["sweep"] if s["config"] is cfg]
+                row[f"{r['groups']}x{r['rows']} {r['N']}/{r['K']}"] = hit[0][key] if hit else "-"
+                if hit:
+                    ratios.append(hit[0][key] / r["best_" + key])
+            row["vs best (geomean)"] = (math.exp(sum(map(math.log, ratios)) / len(ratios))
+                                        if len(ratios) == len(records) else "-")
+            rows.append(row)
+        print(f"\nSweep, {kernel} kernel: TFLOP/s per config and shape; last column 1.0 = best "
+              "on every shape")
+        print_table(rows, list(rows[0]))
 
 
 def main():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_moe_fixes.ops.grouped_gemm import (
+    _tma_views,
     grouped_fp8_gemm_contiguous,
     grouped_fp8_gemm_contiguous_ref,
     grouped_fp8_gemm_contiguous_triton,
@@ -162,51 +163,87 @@ def test_masked_triton(kernel_device, config, layout):
     out = torch.full((E, T, N), float("nan"), dtype=torch.bfloat16, device=kernel_device)
     res = grouped_fp8_gemm_masked_triton((a_q, a_s), (w_q, w_s), out, masked_m, 64, config)
     assert res is out
+    check_masked(out, a_q, a_s, w_q, w_s, masked_m, 1e-5)
+
+
+# Inputs that a TMA descriptor cannot describe: the launchers fall back to pointer loads.
+def _misaligned(t, offset):
+    """Copy of t in a fresh buffer at `offset` elements past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+    view = buf[offset:offset + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _padded_rows(t, pad):
+    """Copy of t [..., R, K] whose rows are `pad` elements apart beyond K (row stride K + pad)."""
+    buf = torch.empty(*t.shape[:-1], t.shape[-1] + pad, dtype=t.dtype, device=t.device)
+    view = buf[..., :t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+def check_masked(out, a_q, a_s, w_q, w_s, masked_m, tol):
     for e, m in enumerate(masked_m.tolist()):
         assert out[e, m:].isnan().all(), "rows past masked_m must stay untouched"
         if m:
             y = expected_rows(a_q[e, :m], a_s[e, :m], w_q[e], w_s[e])
-            assert calc_diff(out[e, :m].float(), y) < 1e-5
+            assert calc_diff(out[e, :m].float(), y) < tol
             torch.testing.assert_close(out[e, :m].float(), y, rtol=1e-2,
                                        atol=1e-2 * y.abs().max().item())
 
 
-# Kernel variants of DEFAULT_CONFIG's keys. K = 128 / 384 gives DUAL_DOT's odd tail alone and after
-# a pair; the interpreter's PERSISTENT grid is 2 programs per "SM" x 2 "SMs", so programs loop.
-# maxnreg is a compiler option: the interpreter accepts and ignores it (the GPU test runs it).
-VARIANTS = [
-    dict(DUAL_DOT=True),
-    dict(DUAL_DOT=True, BLOCK_M=32, BLOCK_N=256, num_stages=2),
-    dict(PERSISTENT=2, maxnreg=168),
-    dict(PERSISTENT=1, DUAL_DOT=True, GROUP_M=2),
-    dict(TMA=True),
-    dict(TMA=True, DUAL_DOT=True, PERSISTENT=1, BLOCK_M=32, BLOCK_N=256, num_stages=2),
-]
-VARIANT_IDS = ["dual", "dual-m32n256", "persistent-maxnreg", "persistent-dual", "tma",
-               "tma-dual-persistent-m32n256"]
+def test_tma_views_cover_regular_inputs():
+    a_q = torch.empty(3, 5, 256, dtype=FP8)
+    w_q = torch.empty(3, 128, 256, dtype=FP8)
+    rows, w_rows = _tma_views(a_q, w_q)
+    assert rows.shape == (15, 256) and rows.data_ptr() == a_q.data_ptr()
+    assert w_rows.shape == (384, 256)
+    assert _tma_views(a_q[:, 1:], w_q) is None          # experts not at a uniform row stride
+    assert _tma_views(a_q[:1, 1:], w_q) is not None     # one expert: no stride between experts
+    assert _tma_views(a_q[0, 1:], w_q) is not None      # offset of 256 bytes: aligned
+    assert _tma_views(_misaligned(a_q[0], 1), w_q) is None
+    assert _tma_views(_padded_rows(a_q[0], 8), w_q) is None
+    assert _tma_views(_padded_rows(a_q[0], 16), w_q) is not None
+    assert _tma_views(a_q[0], _misaligned(w_q, 8)) is None
+    assert _tma_views(a_q[0], w_q[:0]) is None          # E == 0
 
 
-@pytest.mark.parametrize("K", [128, 384])
-@pytest.mark.parametrize("config", VARIANTS, ids=VARIANT_IDS)
-def test_variants_triton(kernel_device, config, K):
+@pytest.mark.parametrize("case", ["misaligned", "row_stride"])
+def test_pointer_fallback_contiguous(kernel_device, case):
     m_idx = contiguous_layout([1, 130, 0, 64], extra_pad_blocks=1).to(kernel_device)
-    M, E, N = m_idx.numel(), 4, 256
-    _, _, (a_q, a_s), (w_q, w_s) = make_problem(E, N, K, (M,), kernel_device, 40 + K)
+    M, E, N, K = m_idx.numel(), 4, 256, 384
+    _, _, (a_q, a_s), (w_q, w_s) = make_problem(E, N, K, (M,), kernel_device, 40)
+    if case == "misaligned":
+        a_q, w_q = _misaligned(a_q, 1), _misaligned(w_q, 8)
+    else:
+        a_q = _padded_rows(a_q, 8)
+    assert _tma_views(a_q, w_q) is None
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=kernel_device)
-    grouped_fp8_gemm_contiguous_triton((a_q, a_s), (w_q, w_s), out, m_idx, config)
+    grouped_fp8_gemm_contiguous_triton((a_q, a_s), (w_q, w_s), out, m_idx)
     check_contiguous(out, a_q, a_s, w_q, w_s, m_idx, 1e-5)
 
+
+def test_pointer_fallback_masked(kernel_device):
+    E, T, N, K = 4, 96, 256, 384
     masked_m = torch.tensor([0, 1, 70, 96], dtype=torch.int32, device=kernel_device)
-    a_q, a_s = a_q[:384].view(4, 96, K), mn_major(a_s[:384].view(4, 96, K // 128))
-    out = torch.full((4, 96, N), float("nan"), dtype=torch.bfloat16, device=kernel_device)
-    grouped_fp8_gemm_masked_triton((a_q, a_s), (w_q, w_s), out, masked_m, None, config)
-    for e, m in enumerate(masked_m.tolist()):
-        assert out[e, m:].isnan().all(), "rows past masked_m must stay untouched"
-        if m:
-            y = expected_rows(a_q[e, :m], a_s[e, :m], w_q[e], w_s[e])
-            assert calc_diff(out[e, :m].float(), y) < 1e-5
-            torch.testing.assert_close(out[e, :m].float(), y, rtol=1e-2,
-                                       atol=1e-2 * y.abs().max().item())
+    _, _, (a_q, a_s), (w_q, w_s) = make_problem(E, N, K, (E, T + 5), kernel_device, 41)
+    a_q, a_s = a_q[:, :T], mn_major(a_s[:, :T])  # experts T + 5 rows apart
+    assert _tma_views(a_q, w_q) is None
+    out = torch.full((E, T, N), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+    grouped_fp8_gemm_masked_triton((a_q, a_s), (w_q, w_s), out, masked_m, None)
+    check_masked(out, a_q, a_s, w_q, w_s, masked_m, 1e-5)
+
+
+def test_contiguous_no_experts(kernel_device):
+    m_idx = contiguous_layout([], extra_pad_blocks=1).to(kernel_device)
+    a_q = torch.ones(128, 128, device=kernel_device).to(FP8)
+    a_s = torch.ones(128, 1, device=kernel_device)
+    w = (torch.empty(0, 128, 128, device=kernel_device, dtype=FP8),
+         torch.empty(0, 1, 1, device=kernel_device))
+    out = torch.full((128, 128), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+    grouped_fp8_gemm_contiguous_triton((a_q, a_s), w, out, m_idx)
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_public_api_on_cpu_uses_reference():
@@ -313,15 +350,8 @@ def test_contiguous_validation_config_and_device():
         grouped_fp8_gemm_contiguous(**_contiguous_args(), config=dict(BLOCK_Q=1))
     with pytest.raises(ValueError, match="config"):
         grouped_fp8_gemm_masked(**_masked_args(), config=dict(BLOCK_N=192))
-    with pytest.raises(ValueError, match="PERSISTENT"):
-        grouped_fp8_gemm_masked(**_masked_args(), config=dict(PERSISTENT=-1))
-    with pytest.raises(ValueError, match="maxnreg"):
-        grouped_fp8_gemm_contiguous(**_contiguous_args(), config=dict(maxnreg=300))
-    args = _masked_args()  # experts not at a uniform row stride: no single TMA descriptor
-    a_q = torch.zeros(2, 16, 256, dtype=FP8)[:, :8]
-    args["a"] = (a_q, args["a"][1])
-    with pytest.raises(ValueError, match="TMA"):
-        grouped_fp8_gemm_masked_triton(**args, config=dict(TMA=True))
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        grouped_fp8_gemm_masked(**_masked_args(), config=dict(BLOCK_N=384))
     args = _contiguous_args()
     args["m_indices"] = args["m_indices"].to("meta")
     with pytest.raises(ValueError, match="device"):
@@ -368,21 +398,29 @@ def test_contiguous_gpu(segments, N, K, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", VARIANTS + [dict(maxnreg=168, num_stages=3)],
-                         ids=VARIANT_IDS + ["maxnreg"])
-def test_variants_gpu(config):
-    segments, N, K = [1024, 700, 1, 0, 513], 4096, 7168 - 128  # odd number of K blocks
+@pytest.mark.parametrize("config", [None, dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
+                                                num_stages=4, GROUP_M=8)], ids=["default", "m128"])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer-fallback"])
+def test_tma_and_fallback_gpu(config, tma):
+    segments, N, K = [1024, 700, 1, 0, 513], 4096, 7168 - 128
     m_idx = contiguous_layout(segments, extra_pad_blocks=1).cuda()
     M = m_idx.numel()
     _, _, (a_q, a_s), (w_q, w_s) = make_problem(len(segments), N, K, (M,), "cuda", 23)
     a_s = mn_major(a_s)
+    if not tma:
+        a_q, w_q = _misaligned(a_q, 1), _misaligned(w_q, 8)
+    assert (_tma_views(a_q, w_q) is not None) == tma
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     grouped_fp8_gemm_contiguous((a_q, a_s), (w_q, w_s), out, m_idx, config)
     check_contiguous(out, a_q, a_s, w_q, w_s, m_idx, 1e-5)
 
     masked_m = torch.tensor([0, 1, 300, 511, 512], dtype=torch.int32, device="cuda")
-    a_q, a_s = a_q[:5 * 512].view(5, 512, K), mn_major(a_s[:5 * 512].reshape(5, 512, -1))
-    out = torch.full((5, 512, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    T = 512 if tma else 500  # the fallback: experts 512 rows apart, 500 used
+    a_q = a_q[:5 * 512].view(5, 512, K)[:, :T]
+    a_s = mn_major(a_s[:5 * 512].reshape(5, 512, -1)[:, :T])
+    masked_m.clamp_(max=T)
+    assert (_tma_views(a_q, w_q) is not None) == tma
+    out = torch.full((5, T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     grouped_fp8_gemm_masked((a_q, a_s), (w_q, w_s), out, masked_m, None, config)
     ref = torch.full_like(out, float("nan"))
     grouped_fp8_gemm_masked_ref((a_q, a_s), (w_q, w_s), ref, masked_m)

@@ -32,55 +32,38 @@ SCALE_BLOCK = 128  # K (and weight N) width of one scale
 
 
 # ----------------------------------------------------------------------------------------------
-# Block configurations
+# Block configuration
 # ----------------------------------------------------------------------------------------------
-# A config is a dict with the keys of DEFAULT_CONFIG. BLOCK_K is fixed at 128 (one scale per K
-# block). BLOCK_M must divide 128 (a tile never spans two experts' segments); BLOCK_N must divide
-# 128 or be a multiple of it (a tile never splits a weight-scale block). Tile and launch keys:
-#   BLOCK_M, BLOCK_N, GROUP_M (M tiles per L2 swizzle group), num_warps, num_stages, and
-#   maxnreg (None: ptxas picks; an int caps registers per thread). ptxas gives the 64x128/4-warp
-#   contiguous kernel 187 registers (the masked one 168), so only 2 CTAs fit per SM;
-#   maxnreg=168 compiles without spills and, with num_stages <= 3 (72 KiB shared), lets 3 CTAs
-#   share an SM.
-# Kernel variants (keys of the same dict; bench_grouped_gemm.py --sweep times them). All compile
-# for sm_90a on triton 3.6 and 3.9 at every swept config (no spills, but for 8 bytes at
-# PERSISTENT=3 under maxnreg=168) and pass the same tests:
-#   DUAL_DOT (bool): even and odd K blocks accumulate in two chains that carry the block scaling
-#       inside the wgmma accumulator (see _block_scaled_mma), so that one chain's wgmma may run
-#       while the other is rescaled. Triton 3.6 leaves the odd chain's wgmma in flight across the
-#       even chain's rescale, but ptxas reports (C7517) injecting a wait there, so the overlap may
-#       be lost: only the GPU can tell. Two K blocks per stage: twice the shared memory
-#       (num_stages <= 3 at 64x128); at 64x128 it needs ~226 registers (spills under maxnreg=168).
-#   PERSISTENT (int): 0 launches one program per output tile; n > 0 launches n programs per SM
-#       that loop over the tiles, so one tile's epilogue overlaps another program's main loop.
-#   TMA (bool): A and W blocks come through host TMA descriptors (A as [rows, K], W as
-#       [E*N, K]; rows past the end read as zeros, rows of a neighbouring expert are never
-#       stored) instead of per-thread cp.async addresses: 160 registers at 64x128/4 warps, so 3
-#       CTAs fit per SM at num_stages <= 3 without maxnreg.
-# Not offered: `tl.range(..., warp_specialize=True)` exists in 3.6 and 3.9 but leaves the
-# pointer-load loops unspecialised on sm_90 (no ttg.warp_specialize in the TTGIR) and fails to
-# compile the masked kernel; with TMA, triton 3.6 specialises the masked kernel's loop but not
-# the contiguous one's.
+# A config is a dict with the keys of DEFAULT_CONFIG: BLOCK_M, BLOCK_N (tile), GROUP_M (M tiles
+# per L2 swizzle group), num_warps, num_stages. BLOCK_K is fixed at 128 (one scale per K block).
+# BLOCK_M must divide 128 (a tile never spans two experts' segments); BLOCK_N is a power of two
+# up to 256 (a TMA box dimension; it then divides 128 or is 256: a tile never splits a
+# weight-scale block).
 #
-# Default, from the H200 sweep (triton 3.6; TFLOP/s over useful rows; tiles BLOCK_MxBLOCK_N
-# GROUP_M warps stages; DeepGEMM v2.6.1's figure in brackets):
-#   groups x rows, N, K          64x128 g16 4w 4s  64x128 g8 4w 4s  128x128 g8 8w 4s  best
-#   4 x 8192, 4096, 7168 [1225]        734               702              694          734
-#   4 x 8192, 7168, 2048 [1134]        695               700              665          715 (a)
-#   8 x 4096, 4096, 7168 [1206]        724               691              685          724
-#   8 x 1024, 4096, 7168 [1085]        701               666              661          701
-#   8 x 1024, 7168, 2048 [1061]        658               643              598          658
-#  32 x  256, 4096, 7168  [904]        593               601              583          601 (b)
-#   (a) 64x128 g8 4w 3s; (b) 64x128 g8 4w 4s; otherwise the first column.
-# 64x128 tiles with one warpgroup (4 warps, 96 KiB shared, 222 registers then: 2 CTAs per SM, so
-# one CTA's scaling FMAs overlap the other's wgmma) beat the former 128x128/8-warp default on every
-# shape (+1.7% to +10%). GROUP_M=16 is best on four shapes and within 3% of the best on the other
-# two; that split (N=7168/K=2048 at 4x8192, and 32x256) is no clearer than the run-to-run noise,
-# so one default serves every shape. 64x256 and 128x128 at 4 warps spill registers. Since that
-# sweep the contiguous kernel forms its output addresses after the K loop (222 -> 187 registers);
-# the figures above predate that change.
-DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, num_warps=4, num_stages=4,
-                      maxnreg=None, DUAL_DOT=False, PERSISTENT=0, TMA=False)
+# A and W blocks are loaded through host TMA descriptors (A as [rows, K], W as [E*N, K]; rows
+# past the end read as zeros, rows of a neighbouring expert are never stored). At 64x128 with 4
+# warps the kernel then needs 160 registers, so 3 CTAs share an SM at num_stages=3 (72 KiB of
+# shared memory). Per-thread pointer loads remain only for operands a descriptor cannot describe
+# (see _tma_views).
+#
+# Default, from the H200 sweep (triton 3.6, torch 2.11; TFLOP/s over useful rows of the
+# contiguous kernel; tiles BLOCK_MxBLOCK_N, warps, stages, GROUP_M; DeepGEMM v2.6.1's figure
+# from figures.md in brackets; all columns use TMA but the last, the former default: 64x128
+# 4w 4s g16 with pointer loads):
+#   groups x rows, N, K          64x128 4w 3s g16  64x128 4w 3s g8  64x128 4w 4s g16  former
+#   4 x 8192, 4096, 7168 [1225]        873.5            847.5            823.2           723.9
+#   4 x 8192, 7168, 2048 [1134]        875.1            831.9            777.7           686.9
+#   8 x 4096, 4096, 7168 [1206]        825.5            816.5            799.3           726.0
+#   8 x 1024, 4096, 7168 [1085]        850.7            822.0            809.2           697.5
+#   8 x 1024, 7168, 2048 [1061]        801.0            790.8            743.7           639.5
+#  32 x  256, 4096, 7168  [904]        759.6            773.7            698.1           597.3
+# The default reaches 71% / 77% / 68% / 78% / 75% / 84% of DeepGEMM's figures and 0.98 of the
+# per-shape best (geometric mean) among 30 configs. 128x128 with 8 warps, 4 stages, TMA reached
+# 0.90; without TMA, no config passed 0.81 (0.92 with a 168-register cap). Two rescaled
+# accumulator chains (0.53-0.86) and persistent programs (0.74-0.83; 0.955 with TMA and the
+# register cap, best only at 32x256) lost and were removed. The masked kernel shares the main
+# loop and the TMA operand shapes, so it takes the same default.
+DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, num_warps=4, num_stages=3)
 
 
 def default_config() -> dict:
@@ -97,45 +80,44 @@ def _resolve_config(config: dict | None) -> dict:
         cfg.update(config)
     if cfg["BLOCK_M"] not in (16, 32, 64, 128):
         raise ValueError(f"config: BLOCK_M must divide 128 (16/32/64/128), got {cfg['BLOCK_M']}")
-    if cfg["BLOCK_N"] not in (16, 32, 64) and (cfg["BLOCK_N"] % 128 or cfg["BLOCK_N"] <= 0):
-        raise ValueError(f"config: BLOCK_N must be 16/32/64 or a multiple of 128 (whole "
-                         f"weight-scale blocks per tile), got {cfg['BLOCK_N']}")
-    if cfg["maxnreg"] is not None and not (isinstance(cfg["maxnreg"], int)
-                                           and 0 < cfg["maxnreg"] <= 255):
-        raise ValueError(f"config: maxnreg must be None or an int in 1..255, got "
-                         f"{cfg['maxnreg']!r}")
-    if not isinstance(cfg["PERSISTENT"], int) or cfg["PERSISTENT"] < 0:
-        raise ValueError(f"config: PERSISTENT must be an int >= 0, got {cfg['PERSISTENT']!r}")
+    if cfg["BLOCK_N"] not in (16, 32, 64, 128, 256):
+        raise ValueError(f"config: BLOCK_N must be 16/32/64/128/256, got {cfg['BLOCK_N']}")
     return cfg
 
 
-def _launch_options(cfg: dict, num_tiles: int, device: torch.device) -> tuple[int, dict]:
-    """(programs along the tile axis, keyword arguments of the kernel launch) for a config."""
-    programs = num_tiles
-    if cfg["PERSISTENT"]:
-        # The interpreter (CPU) pretends to have 2 SMs, so each program loops over several tiles.
-        sms = (torch.cuda.get_device_properties(device).multi_processor_count
-               if device.type == "cuda" else 2)
-        programs = min(num_tiles, cfg["PERSISTENT"] * sms)
-    kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=SCALE_BLOCK,
-                  GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"], DUAL_DOT=cfg["DUAL_DOT"],
-                  PERSISTENT=cfg["PERSISTENT"], TMA=cfg["TMA"])
-    if cfg["maxnreg"] is not None:
-        kwargs["maxnreg"] = cfg["maxnreg"]
-    return programs, kwargs
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    """16-byte aligned base and strides (bytes), as TMA requires."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in strides)
 
 
-def _descriptors(cfg: dict, a_q: torch.Tensor, w_q: torch.Tensor):
-    """TMA descriptors of A as [rows, K] and W as [E*N, K] (None, None without TMA)."""
-    if not cfg["TMA"]:
-        return None, None
+def _tma_views(a_q: torch.Tensor, w_q: torch.Tensor):
+    """A as [rows, K] and W as [E*N, K] for TMA descriptors, or None when a descriptor cannot
+    describe them. The public API accepts, and then loads through pointers:
+    - an operand whose base address or row stride is not a multiple of 16 bytes (a view at an
+      odd offset into a larger buffer; quantisers and workspaces never produce one),
+    - a masked a_q whose experts are not at a uniform row stride (a_q[:, :T] of a longer batch):
+      one 2-D descriptor cannot span them,
+    - an empty w_q (E == 0; a descriptor needs positive sizes).
+    """
     K = a_q.shape[-1]
-    if a_q.dim() == 3 and a_q.shape[0] > 1 and a_q.stride(0) != a_q.shape[1] * a_q.stride(1):
-        raise ValueError(f"config: TMA needs a[0]'s experts at a uniform row stride, strides "
-                         f"{a_q.stride()}")
-    return (TensorDescriptor.from_tensor(a_q.view(-1, K), [cfg["BLOCK_M"], SCALE_BLOCK]),
-            TensorDescriptor.from_tensor(w_q.view(-1, K), [cfg["BLOCK_N"], SCALE_BLOCK]))
+    if a_q.dim() == 3:
+        E, T = a_q.shape[:2]
+        if E > 1 and a_q.stride(0) != T * a_q.stride(1):
+            return None
+        a_q = a_q.as_strided((E * T, K), (a_q.stride(1), 1))
+    if w_q.numel() == 0 or not _aligned(w_q) or not _aligned(a_q, a_q.stride(0)):
+        return None
+    return a_q, w_q.view(-1, K)
+
+
+def _launch_args(cfg: dict, a_q: torch.Tensor, w_q: torch.Tensor) -> tuple[list, dict]:
+    """(descriptor arguments, keyword arguments) of a kernel launch: TMA when _tma_views allows."""
+    views = _tma_views(a_q, w_q)
+    descs = [None, None] if views is None else [
+        TensorDescriptor.from_tensor(views[0], [cfg["BLOCK_M"], SCALE_BLOCK]),
+        TensorDescriptor.from_tensor(views[1], [cfg["BLOCK_N"], SCALE_BLOCK])]
+    return descs, dict(cfg, BLOCK_K=SCALE_BLOCK, TMA=views is not None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,43 +136,18 @@ def _swizzle(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(a_s_ptrs, w_s_ptrs, kb, stride_ask, stride_wsk,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Scale of K block kb: [BLOCK_M, 1] when the tile sits in one weight-scale block (w_s_ptrs is
-    then a scalar pointer), else [BLOCK_M, BLOCK_N]."""
-    a_s = tl.load(a_s_ptrs + kb * stride_ask)
-    if BLOCK_N <= BLOCK_K:
-        scale = (a_s * tl.load(w_s_ptrs + kb * stride_wsk))[:, None]
-    else:
-        scale = a_s[:, None] * tl.load(w_s_ptrs + kb * stride_wsk)[None, :]
-    return scale
-
-
-@triton.jit
-def _load_blocks(a_ptrs, w_ptrs, a_desc, w_desc, a_row, w_row, k, TMA: tl.constexpr):
-    """One K block of A [BLOCK_M, BLOCK_K] and W^T [BLOCK_K, BLOCK_N]: through the pointers, or
-    with TMA from the descriptors at rows a_row / w_row and column k (rows past the end are 0)."""
-    if TMA:
-        a = a_desc.load([a_row, k])
-        w = w_desc.load([w_row, k]).T
-    else:
-        a = tl.load(a_ptrs)
-        w = tl.load(w_ptrs)
-    return a, w
-
-
-@triton.jit
 def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
                       stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk,
                       a_desc, w_desc, a_row, w_row,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DUAL_DOT: tl.constexpr, TMA: tl.constexpr):
+                      TMA: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = sum over K blocks of dot(A_blk, W_blk^T) * a_s * w_s.
 
     `rows` / `cols` are int64 indices already clamped into range (no masks in the loop); scale
-    offsets (kb * stride) stay 32-bit, as a_s has M*K/128 elements. The W
-    tile is addressed as [BLOCK_K, BLOCK_N] with K contiguous (K-major B), which Hopper's FP8
-    wgmma takes directly from shared memory.
+    offsets (kb * stride) stay 32-bit, as a_s has M*K/128 elements. With TMA, the blocks come
+    from the descriptors at rows a_row (of A) / w_row (of W) and column k; otherwise through
+    per-thread pointers. The W tile is used as [BLOCK_K, BLOCK_N] with K contiguous (K-major B),
+    which Hopper's FP8 wgmma takes directly from shared memory.
     """
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
@@ -201,55 +158,32 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
     else:
         w_s_ptrs = w_s_ptr + (cols // BLOCK_K) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    num_kb = K // BLOCK_K
-    if DUAL_DOT:
-        # Two accumulators, for even and odd K blocks, each kept in units of the scale of its
-        # latest block: acc_j <- dot(A_kb, W_kb, acc_j * (s_prev / s_kb)), so the block scaling
-        # rides in the wgmma accumulator. Rescaling one chain waits only for that chain's last
-        # wgmma, so the other chain's can stay in flight. Needs finite non-zero scales (what
-        # quantisation with an eps gives). Result: acc_even * s_even + acc_odd * s_odd.
-        acc_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        s_even = _block_scale(a_s_ptrs, w_s_ptrs, 0, stride_ask, stride_wsk, BLOCK_N, BLOCK_K)
-        s_odd = s_even
-        for kb in tl.range(0, num_kb - 1, 2):
-            s0 = _block_scale(a_s_ptrs, w_s_ptrs, kb, stride_ask, stride_wsk, BLOCK_N, BLOCK_K)
-            s1 = _block_scale(a_s_ptrs, w_s_ptrs, kb + 1, stride_ask, stride_wsk,
-                              BLOCK_N, BLOCK_K)
-            a, w = _load_blocks(a_ptrs, w_ptrs, a_desc, w_desc, a_row, w_row, kb * BLOCK_K, TMA)
-            acc = tl.dot(a, w, acc * (s_even / s0))
-            a, w = _load_blocks(a_ptrs + BLOCK_K, w_ptrs + BLOCK_K, a_desc, w_desc, a_row, w_row,
-                                (kb + 1) * BLOCK_K, TMA)
-            acc_odd = tl.dot(a, w, acc_odd * (s_odd / s1))
-            s_even = s0
-            s_odd = s1
-            a_ptrs += 2 * BLOCK_K
-            w_ptrs += 2 * BLOCK_K
-        if num_kb % 2:  # an odd last block joins the even chain
-            s0 = _block_scale(a_s_ptrs, w_s_ptrs, num_kb - 1, stride_ask, stride_wsk,
-                              BLOCK_N, BLOCK_K)
-            a, w = _load_blocks(a_ptrs, w_ptrs, a_desc, w_desc, a_row, w_row,
-                                (num_kb - 1) * BLOCK_K, TMA)
-            acc = tl.dot(a, w, acc * (s_even / s0))
-            s_even = s0
-        acc = acc * s_even + acc_odd * s_odd
-    else:
-        for kb in tl.range(0, num_kb):
-            a, w = _load_blocks(a_ptrs, w_ptrs, a_desc, w_desc, a_row, w_row, kb * BLOCK_K, TMA)
-            acc += tl.dot(a, w) * _block_scale(a_s_ptrs, w_s_ptrs, kb, stride_ask, stride_wsk,
-                                               BLOCK_N, BLOCK_K)
+    for kb in tl.range(0, K // BLOCK_K):
+        if TMA:
+            a = a_desc.load([a_row, kb * BLOCK_K])
+            w = w_desc.load([w_row, kb * BLOCK_K]).T
+        else:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        part = tl.dot(a, w)
+        a_s = tl.load(a_s_ptrs + kb * stride_ask)
+        if BLOCK_N <= BLOCK_K:
+            acc += part * (a_s * tl.load(w_s_ptrs + kb * stride_wsk))[:, None]
+        else:
+            acc += part * (a_s[:, None] * tl.load(w_s_ptrs + kb * stride_wsk)[None, :])
     return acc
 
 
 @triton.jit
-def _contiguous_tile(tile, a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N, K,
-                     stride_am, stride_asm, stride_ask,
-                     stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
-                     a_desc, w_desc,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, DUAL_DOT: tl.constexpr, TMA: tl.constexpr):
-    pid_m, pid_n = _swizzle(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N, K,
+                       stride_am, stride_asm, stride_ask,
+                       stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
+                       a_desc, w_desc,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, TMA: tl.constexpr):
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(m_idx_ptr + pid_m.to(tl.int64) * BLOCK_M)
@@ -261,7 +195,7 @@ def _contiguous_tile(tile, a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M
                                 rows, cols, K, stride_am, stride_asm, stride_ask,
                                 stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
                                 pid_m * BLOCK_M, expert * N + pid_n * BLOCK_N,
-                                BLOCK_M, BLOCK_N, BLOCK_K, DUAL_DOT, TMA)
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         # Trailing -1 rows of the expert's last tile are padding: exact zeros.
         row_experts = tl.load(m_idx_ptr + offs_m, mask=offs_m < M, other=-1)
         acc = tl.where((row_experts == expert)[:, None], acc, 0.0)
@@ -274,76 +208,31 @@ def _contiguous_tile(tile, a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M
 
 
 @triton.jit
-def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N, K,
-                       stride_am, stride_asm, stride_ask,
-                       stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
-                       a_desc, w_desc,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, DUAL_DOT: tl.constexpr, PERSISTENT: tl.constexpr,
-                       TMA: tl.constexpr):
-    if PERSISTENT:
-        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _contiguous_tile(tile, a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N, K,
-                             stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse,
-                             stride_wsn, stride_wsk, stride_om, a_desc, w_desc, BLOCK_M, BLOCK_N,
-                             BLOCK_K, GROUP_M, DUAL_DOT, TMA)
-    else:
-        _contiguous_tile(tl.program_id(0), a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr,
-                         M, N, K, stride_am, stride_asm, stride_ask, stride_we, stride_wn,
-                         stride_wse, stride_wsn, stride_wsk, stride_om, a_desc, w_desc, BLOCK_M,
-                         BLOCK_N, BLOCK_K, GROUP_M, DUAL_DOT, TMA)
-
-
-@triton.jit
-def _masked_tile(e, tile, a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, K,
-                 stride_ae, stride_am, stride_ase, stride_asm, stride_ask,
-                 stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-                 stride_oe, stride_om, a_desc, w_desc,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, DUAL_DOT: tl.constexpr, TMA: tl.constexpr):
-    e = e.to(tl.int64)
-    pid_m, pid_n = _swizzle(tile, tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, K,
+                   stride_ae, stride_am, stride_ase, stride_asm, stride_ask,
+                   stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+                   stride_oe, stride_om, a_desc, w_desc,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, TMA: tl.constexpr):
+    e = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     valid = tl.minimum(tl.load(masked_m_ptr + e), T)
     if pid_m * BLOCK_M < valid:  # tiles past masked_m[e] do nothing
         offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(offs_m, valid - 1)
         cols = tl.minimum(offs_n, N - 1)
+        # TMA rows: A is [E*T, K] (rows past valid may be the next expert's: never stored).
         acc = _block_scaled_mma(a_ptr + e * stride_ae, a_s_ptr + e * stride_ase,
                                 w_ptr + e * stride_we, w_s_ptr + e * stride_wse,
                                 rows, cols, K, stride_am, stride_asm, stride_ask,
                                 stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
                                 (e * T + pid_m * BLOCK_M).to(tl.int32),
                                 (e * N + pid_n * BLOCK_N).to(tl.int32),
-                                BLOCK_M, BLOCK_N, BLOCK_K, DUAL_DOT, TMA)
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA)
         out_ptrs = out_ptr + e * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
         out_mask = (offs_m[:, None] < valid) & (offs_n[None, :] < N)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, E, T, N, K,
-                   stride_ae, stride_am, stride_ase, stride_asm, stride_ask,
-                   stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-                   stride_oe, stride_om, a_desc, w_desc,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, DUAL_DOT: tl.constexpr, PERSISTENT: tl.constexpr,
-                   TMA: tl.constexpr):
-    if PERSISTENT:  # one linear tile id over (expert, tile of that expert)
-        per_expert = tl.cdiv(T, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), E * per_expert, tl.num_programs(0)):
-            _masked_tile(tile // per_expert, tile % per_expert, a_ptr, a_s_ptr, w_ptr, w_s_ptr,
-                         out_ptr, masked_m_ptr, T, N, K, stride_ae, stride_am, stride_ase,
-                         stride_asm, stride_ask, stride_we, stride_wn, stride_wse, stride_wsn,
-                         stride_wsk, stride_oe, stride_om, a_desc, w_desc, BLOCK_M, BLOCK_N,
-                         BLOCK_K, GROUP_M, DUAL_DOT, TMA)
-    else:
-        _masked_tile(tl.program_id(1), tl.program_id(0), a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr,
-                     masked_m_ptr, T, N, K, stride_ae, stride_am, stride_ase, stride_asm,
-                     stride_ask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-                     stride_oe, stride_om, a_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                     DUAL_DOT, TMA)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,7 +241,7 @@ def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, E, T, 
 def grouped_fp8_gemm_contiguous_triton(a, w, out, m_indices, config: dict | None = None):
     """Triton launcher of `grouped_fp8_gemm_contiguous` (same arguments, no validation).
 
-    config: optional overrides of `DEFAULT_CONFIG` (tile, launch and variant keys, see above).
+    config: optional overrides of `DEFAULT_CONFIG` (see above).
     """
     (a_q, a_s), (w_q, w_s) = a, w
     M, K = a_q.shape
@@ -360,13 +249,14 @@ def grouped_fp8_gemm_contiguous_triton(a, w, out, m_indices, config: dict | None
     if M == 0:
         return out
     cfg = _resolve_config(config)
-    num_tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    programs, kwargs = _launch_options(cfg, num_tiles, a_q.device)
-    _contiguous_kernel[(programs,)](
+    descs, kwargs = _launch_args(cfg, a_q, w_q)
+    # Plain integer ceil-divisions: triton.cdiv costs microseconds per host call.
+    num_tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    _contiguous_kernel[(num_tiles,)](
         a_q, a_s, w_q, w_s, out, m_indices, M, N, K,
         a_q.stride(0), a_s.stride(0), a_s.stride(1),
         w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), w_s.stride(2), out.stride(0),
-        *_descriptors(cfg, a_q, w_q), **kwargs)
+        *descs, **kwargs)
     return out
 
 
@@ -383,14 +273,13 @@ def grouped_fp8_gemm_masked_triton(a, w, out, masked_m, expected_m=None,
     if E == 0 or T == 0:
         return out
     cfg = _resolve_config(config)
-    per_expert = triton.cdiv(T, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    programs, kwargs = _launch_options(cfg, E * per_expert, a_q.device)
-    grid = (programs,) if cfg["PERSISTENT"] else (per_expert, E)
-    _masked_kernel[grid](
-        a_q, a_s, w_q, w_s, out, masked_m, E, T, N, K,
+    descs, kwargs = _launch_args(cfg, a_q, w_q)
+    per_expert = -(-T // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    _masked_kernel[(per_expert, E)](
+        a_q, a_s, w_q, w_s, out, masked_m, T, N, K,
         a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1), a_s.stride(2),
         w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), w_s.stride(2),
-        out.stride(0), out.stride(1), *_descriptors(cfg, a_q, w_q), **kwargs)
+        out.stride(0), out.stride(1), *descs, **kwargs)
     return out
 
 
