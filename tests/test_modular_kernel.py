@@ -232,7 +232,7 @@ def _fake_deep_gemm(monkeypatch, *, old_names=False, skip_minus_one_rows=False):
         calls.append((None, m_indices))
         grouped_fp8_gemm_contiguous_ref(lhs, rhs, out, m_indices)
 
-    mod = types.SimpleNamespace(get_mn_major_tma_aligned_tensor=lambda s: s)
+    mod = types.SimpleNamespace(get_m_alignment_for_contiguous_layout=lambda: 128)
     if old_names:
         mod.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous = old_contiguous
     else:
@@ -264,19 +264,24 @@ def test_compat_resolve_names():
 
     new = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=fn_new,
                                 fp8_m_grouped_gemm_nt_masked=PybindLike(),
-                                get_mk_alignment_for_contiguous_layout=lambda: 128,
-                                get_mn_major_tma_aligned_tensor=lambda s: s)
+                                get_mk_alignment_for_contiguous_layout=lambda: 128)
     api = compat.resolve(new)
     assert api.contiguous is fn_new and api.contiguous_ue8m0_kwarg
     assert api.masked is new.fp8_m_grouped_gemm_nt_masked
     old = types.SimpleNamespace(m_grouped_gemm_fp8_fp8_bf16_nt_contiguous=lambda l, r, o, m: None,
                                 m_grouped_gemm_fp8_fp8_bf16_nt_masked=lambda l, r, o, m, e: None,
-                                get_m_alignment_for_contiguous_layout=lambda: 128,
-                                get_col_major_tma_aligned_tensor=lambda s: s)
+                                get_m_alignment_for_contiguous_layout=lambda: 64)
     api = compat.resolve(old)
     assert api.contiguous is old.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous
     assert not api.contiguous_ue8m0_kwarg and not api.masked_ue8m0_kwarg
-    assert api.tma_aligned is old.get_col_major_tma_aligned_tensor
+    assert api.alignment() == 64
+
+
+def test_deep_gemm_experts_refuse_another_alignment(monkeypatch):
+    _fake_deep_gemm(monkeypatch)
+    monkeypatch.setattr(compat._API, "alignment", lambda: 64)
+    with pytest.raises(RuntimeError, match="aligns expert segments to 64 rows"):
+        DeepGemmExperts()
 
 
 def test_compat_without_deep_gemm(monkeypatch):

@@ -8,7 +8,6 @@ GEMM (`m_indices` -> `grouped_layout`) later, so names are resolved once, here, 
     m_grouped_fp8_gemm_nt_masked      m_grouped_gemm_fp8_fp8_bf16_nt_masked
         (v2.x also: fp8_m_grouped_gemm_nt_masked)
     get_mk_alignment_for_contiguous_layout   get_m_alignment_for_contiguous_layout
-    get_mn_major_tma_aligned_tensor   get_col_major_tma_aligned_tensor
 
 The grouped layout / m_indices is always passed positionally, and `disable_ue8m0_cast=True` is
 passed where the function takes it (float32 scales on SM90; UE8M0 packing is SM100-only).
@@ -27,7 +26,6 @@ _NAMES = {
                "m_grouped_gemm_fp8_fp8_bf16_nt_masked"),
     "alignment": ("get_mk_alignment_for_contiguous_layout",
                   "get_m_alignment_for_contiguous_layout"),
-    "tma_aligned": ("get_mn_major_tma_aligned_tensor", "get_col_major_tma_aligned_tensor"),
 }
 
 
@@ -42,7 +40,7 @@ def _takes_kwarg(fn: Any, name: str) -> bool:
 def resolve(module: Any) -> SimpleNamespace:
     """Pick the first name of each row of _NAMES that `module` has (None where none is found).
 
-    Returns a namespace with contiguous, masked, alignment, tma_aligned (callables or None) and
+    Returns a namespace with contiguous, masked, alignment (callables or None) and
     contiguous_ue8m0_kwarg / masked_ue8m0_kwarg (whether to pass disable_ue8m0_cast=True).
     """
     found = {key: next((getattr(module, n) for n in names if hasattr(module, n)), None)
@@ -109,11 +107,3 @@ def get_m_alignment_for_contiguous_layout() -> int:
     """Row alignment of each expert segment in the contiguous layout (128 in every release)."""
     api = require()
     return int(api.alignment()) if api.alignment is not None else 128
-
-
-def get_mn_major_tma_aligned_tensor(s):
-    """DeepGEMM's scale-layout helper: float32 scales [..., M, G] -> MN-major, M stride align4."""
-    api = require()
-    if api.tma_aligned is None:
-        raise RuntimeError("this DeepGEMM build has no MN-major TMA-aligned scale helper")
-    return api.tma_aligned(s)

@@ -32,6 +32,7 @@ from vllm_moe_fixes.ops.activation import silu_and_mul
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous
 from vllm_moe_fixes.ops.permute import (
+    ALIGNMENT,
     build_contiguous_layout,
     contiguous_num_rows,
     permute_rows,
@@ -104,11 +105,16 @@ class TritonExperts(ContiguousExperts):
 class DeepGemmExperts(ContiguousExperts):
     """Experts on DeepGEMM's contiguous grouped FP8 GEMM (SM90/SM100; N, K multiples of 128).
 
-    Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and DeepGEMM) when DeepGEMM is not usable.
+    Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and DeepGEMM) when DeepGEMM is not usable, or
+    when its contiguous layout wants another segment alignment than the one ops/permute.py builds.
     """
 
     def __init__(self) -> None:
         _deep_gemm.require("DeepGemmExperts")
+        alignment = _deep_gemm.get_m_alignment_for_contiguous_layout()
+        if alignment != ALIGNMENT:
+            raise RuntimeError(f"this DeepGEMM build aligns expert segments to {alignment} rows; "
+                               f"the contiguous layout here aligns them to {ALIGNMENT}")
 
     def gemm(self, a, w, out, m_indices) -> None:
         _deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices)
