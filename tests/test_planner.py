@@ -195,3 +195,16 @@ def test_config_dataclass_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         R1.hidden_size = 1  # type: ignore[misc]
     assert isinstance(R1, MoEModelConfig)
+
+
+def test_planning_does_not_import_torch():
+    """`plan` must answer fast: the planner and the DeepEP sizing mirrors import no torch
+    (torch's import alone takes over a second on a small machine)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys, vllm_moe_fixes.cli, vllm_moe_fixes.planner, vllm_moe_fixes.distributed; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    root = str(Path(__file__).resolve().parents[1])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert result.returncode == 0, result.stderr

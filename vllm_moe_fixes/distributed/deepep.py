@@ -13,11 +13,12 @@ modes. Configurations DeepEP cannot serve are refused before any allocation, wit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from vllm_moe_fixes import envs
+
+if TYPE_CHECKING:  # torch is imported where a buffer is built: planning needs only the sizing
+    import torch.distributed as dist
 
 # Ranks one NVLink domain holds in DeepEP's normal mode; more ranks are split into RDMA "nodes".
 NUM_MAX_NVL_PEERS = 8
@@ -186,6 +187,7 @@ _BUFFERS: dict[tuple, Any] = {}
 
 
 def _group_size(group) -> int:
+    import torch.distributed as dist
     return dist.get_world_size(group)
 
 
@@ -250,6 +252,9 @@ def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
         else:
             from vllm_moe_fixes._compat.deep_ep import require
             deep_ep = require(backend)
-            buffer = deep_ep.Buffer(group=group if group is not None else dist.group.WORLD, **kwargs)
+            if group is None:
+                import torch.distributed as dist
+                group = dist.group.WORLD
+            buffer = deep_ep.Buffer(group=group, **kwargs)
         _BUFFERS[key] = buffer
     return buffer
