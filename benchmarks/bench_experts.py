@@ -49,6 +49,7 @@ from vllm_moe_fixes.ops.permute import (  # noqa: E402
     permute_rows_ref,
     permute_rows_triton,
 )
+from vllm_moe_fixes.ops.reference import calc_diff  # noqa: E402
 
 K, I, E_L, TOPK = 7168, 2048, 8, 8
 FP8 = torch.float8_e4m3fn
@@ -81,11 +82,6 @@ def peak_bytes(fn) -> tuple[int, torch.Tensor]:
     out = fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base, out
-
-
-def calc_diff(x, y) -> float:
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
 def bench_backend(name, make_experts, gemm, w, m_values):

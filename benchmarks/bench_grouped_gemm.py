@@ -29,6 +29,7 @@ from vllm_moe_fixes.ops.grouped_gemm import (  # noqa: E402
     grouped_fp8_gemm_contiguous_triton,
     grouped_fp8_gemm_masked_triton,
 )
+from vllm_moe_fixes.ops.reference import calc_diff  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 # (groups, rows per group, N, K) -> DeepGEMM v2.6.1 TFLOP/s from figures.md / contracts/deep_gemm.md
@@ -63,11 +64,6 @@ def timed_us(fn) -> float:
     fn()  # compile / JIT outside the timed region
     torch.cuda.synchronize()
     return bench_us(fn, [()])
-
-
-def calc_diff(x, y) -> float:
-    x, y = x.double(), y.double()
-    return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
 
 
 def config_name(cfg: dict) -> str:

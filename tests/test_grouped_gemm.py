@@ -18,17 +18,12 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_masked_ref,
     grouped_fp8_gemm_masked_triton,
 )
+from vllm_moe_fixes.ops.reference import calc_diff
 
 FP8 = torch.float8_e4m3fn
 
 
 # ---------------------------------------------------------------- helpers written for the tests
-def calc_diff(x, y):
-    """DeepGEMM's similarity metric: 1 - 2<x,y> / (|x|^2 + |y|^2), in float64."""
-    x, y = x.double(), y.double()
-    return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
-
-
 def quant_rows(x):
     """Per-token 1x128 quantisation as DeepGEMM's tests do it: x [..., K] -> (fp8, [..., K/128])."""
     g = x.float().unflatten(-1, (-1, 128))

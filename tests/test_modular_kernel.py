@@ -13,8 +13,16 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as compat
 from vllm_moe_fixes.fused_moe import experts as experts_mod
-from vllm_moe_fixes.fused_moe.experts import DeepGemmExperts, TritonExperts, select_experts
-from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts, FusedMoEModularKernel
+from vllm_moe_fixes.fused_moe.experts import (
+    DeepGemmExperts,
+    TritonExperts,
+    select_experts,
+)
+from vllm_moe_fixes.fused_moe.modular_kernel import (
+    ActivationFormat,
+    Experts,
+    FusedMoEModularKernel,
+)
 from vllm_moe_fixes.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
 from vllm_moe_fixes.ops.grouped_gemm import (
@@ -22,11 +30,7 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_triton,
 )
 from vllm_moe_fixes.ops.permute import permute_rows_triton
-
-
-def calc_diff(x, y):
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+from vllm_moe_fixes.ops.reference import calc_diff
 
 
 def rel_err(x, y):

@@ -1,14 +1,19 @@
-"""fused_topk, block FP8 weight (de)quantisation, and moe_reference against a per-token loop."""
+"""calc_diff, fused_topk, block FP8 weight (de)quantisation, and moe_reference against a per-token loop."""
 
 import pytest
 import torch
 
-from vllm_moe_fixes.fused_moe.routing import (
-    dequant_block_fp8,
-    fused_topk,
-    moe_reference,
-    quant_block_fp8,
-)
+from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
+from vllm_moe_fixes.ops.reference import calc_diff, dequant_block_fp8
+
+
+def test_calc_diff():
+    x = torch.randn(64, 32)
+    assert calc_diff(x, x) == pytest.approx(0.0, abs=1e-12)
+    assert calc_diff(x, -x) == pytest.approx(2.0)
+    assert calc_diff(x, 2 * x) == pytest.approx(1 - 4 / 5)
+    assert calc_diff(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert 0.8 < calc_diff(x, torch.randn(64, 32)) < 1.2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -141,13 +141,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------- demo
-def calc_diff(x, y) -> float:
-    """DeepGEMM's similarity measure: 1 - 2<x, y> / (<x, x> + <y, y>), in float64 (0 = equal)."""
-    x, y = x.double(), y.double()
-    denom = (x * x + y * y).sum()
-    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
-
-
 def _demo_problem(args: argparse.Namespace, num_tokens: int):
     """The global problem, identical on every rank: (x bf16 [T, K], (w1q, w1s), (w2q, w2s),
     topk_weights f32 [T, k], topk_ids int64 [T, k]) on the CPU, from args.seed."""
@@ -187,6 +180,7 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
     from vllm_moe_fixes.fused_moe.experts import select_experts
     from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
     from vllm_moe_fixes.fused_moe.routing import moe_reference
+    from vllm_moe_fixes.ops.reference import calc_diff
 
     M, E = args.tokens, args.experts
     x, (gw1q, gw1s), (gw2q, gw2s), weights, ids = _demo_problem(args, M * world_size)

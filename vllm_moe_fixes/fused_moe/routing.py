@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_moe_fixes.ops.reference import dequant_block_fp8
+
 BLOCK = 128
 
 
@@ -34,15 +36,6 @@ def fused_topk(gating_output: torch.Tensor, topk: int,
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids.to(torch.int64)
-
-
-def dequant_block_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn [..., R, C] with float32 [..., cdiv(R,128), cdiv(C,128)] block scales
-    -> float32 [..., R, C] = w * its 128x128 block's scale."""
-    R, C = w.shape[-2:]
-    s = w_scale.float().repeat_interleave(BLOCK, dim=-2)[..., :R, :]
-    s = s.repeat_interleave(BLOCK, dim=-1)[..., :C]
-    return w.float() * s
 
 
 def quant_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from vllm_moe_fixes.ops.reference import dequant_block_fp8
+
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # K (and weight N) width of one scale
 
@@ -291,12 +293,6 @@ def _dequant_rows(a_q: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
     return a_q.float() * a_s.float().repeat_interleave(SCALE_BLOCK, dim=-1)
 
 
-def _dequant_weight(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp8 with [N/128, K/128] block scales -> float32 [N, K]."""
-    s = w_s.float().repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
-    return w_q.float() * s
-
-
 def grouped_fp8_gemm_contiguous_ref(a, w, out, m_indices):
     """float32 torch reference of `grouped_fp8_gemm_contiguous` (any device; -1 rows -> 0)."""
     (a_q, a_s), (w_q, w_s) = a, w
@@ -304,7 +300,7 @@ def grouped_fp8_gemm_contiguous_ref(a, w, out, m_indices):
     for e in range(w_q.shape[0]):
         rows = (m_indices == e).nonzero().flatten()
         if rows.numel():
-            y = _dequant_rows(a_q[rows], a_s[rows]) @ _dequant_weight(w_q[e], w_s[e]).t()
+            y = _dequant_rows(a_q[rows], a_s[rows]) @ dequant_block_fp8(w_q[e], w_s[e]).t()
             out[rows] = y.to(out.dtype)
     return out
 
@@ -315,7 +311,7 @@ def grouped_fp8_gemm_masked_ref(a, w, out, masked_m, expected_m=None):
     for e, m in enumerate(masked_m.tolist()):
         m = min(max(m, 0), a_q.shape[1])
         if m:
-            y = _dequant_rows(a_q[e, :m], a_s[e, :m]) @ _dequant_weight(w_q[e], w_s[e]).t()
+            y = _dequant_rows(a_q[e, :m], a_s[e, :m]) @ dequant_block_fp8(w_q[e], w_s[e]).t()
             out[e, :m] = y.to(out.dtype)
     return out
 

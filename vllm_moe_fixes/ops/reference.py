@@ -1,4 +1,5 @@
-"""Plain-torch references for the ops in fp8_quant.py, moe_sum.py and activation.py.
+"""Plain-torch references for the ops in fp8_quant.py, moe_sum.py and activation.py, the
+block-FP8 dequantisation every float32 reference uses, and the accuracy metric they are judged by.
 
 The public ops run these on CPU tensors; the GPU tests run them on CUDA tensors and compare the
 Triton kernels against them bit for bit (quant, moe_sum) or to within one output ulp (silu_and_mul,
@@ -21,6 +22,7 @@ exact-rounded everywhere, and `inv` is a tensor / tensor division (IEEE in torch
 
 import torch
 
+SCALE_BLOCK = 128
 FP8_MAX = 448.0
 # float32(1/448): the one constant both implementations multiply by.
 INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
@@ -70,3 +72,20 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2N] -> silu(x[..., :N]) * x[..., N:] as [..., N], float32 math, x's dtype."""
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def dequant_block_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn [..., R, C] with float32 [..., cdiv(R,128), cdiv(C,128)] block scales
+    -> float32 [..., R, C] = w * its 128x128 block's scale."""
+    R, C = w.shape[-2:]
+    s = w_scale.float().repeat_interleave(SCALE_BLOCK, dim=-2)[..., :R, :]
+    s = s.repeat_interleave(SCALE_BLOCK, dim=-1)[..., :C]
+    return w.float() * s
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's similarity measure 1 - 2<x, y> / (<x, x> + <y, y>) in float64: 0 when x == y,
+    ~1 for unrelated data (two all-zero tensors count as equal)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
