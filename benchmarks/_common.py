@@ -18,7 +18,13 @@ API (keep it small):
         [make(0), make(1), ...]: enough independent input sets (each of about `nbytes`) to
         cover `budget` bytes, so small shapes are not timed from a warm L2 (H200 L2: 50 MB).
     gbps(nbytes, us) -> float            bytes moved / time, in GB/s (1e9 bytes).
+    copy_us(nbytes) -> float
+        The copy ceiling: graph_us of one device copy of nbytes // 2 bytes (nbytes moved: read +
+        write), for comparing a kernel that moves nbytes. Its buffers are freed on return.
     print_table(rows, columns) -> None   rows: list of dicts; columns: keys to print, in order.
+    print_best(rows, title, n=8, key="M", by="us") -> None
+        A sweep's summary: title, then for every value of rows' `key` (first-seen order) the `n`
+        rows with the smallest `by`, as a print_table of all their columns.
     write_json(name, payload) -> Path    benchmarks/results/<name>.json: payload plus
                                          "environment" (GPU name, torch/triton versions, UTC date,
                                          git commit when available).
@@ -82,6 +88,21 @@ def rotating(make, nbytes, budget=256 << 20, max_sets=16) -> list:
 
 def gbps(nbytes, us) -> float:
     return nbytes / (us * 1e-6) / 1e9
+
+
+def copy_us(nbytes) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = graph_us(dst.copy_, [(src,)])
+    del src, dst
+    return t
+
+
+def print_best(rows, title, n=8, key="M", by="us") -> None:
+    print(title)
+    for value in dict.fromkeys(r[key] for r in rows):
+        best = sorted((r for r in rows if r[key] == value), key=lambda r: r[by])[:n]
+        print_table(best, list(best[0]))
 
 
 def print_table(rows, columns) -> None:

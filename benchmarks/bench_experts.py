@@ -50,6 +50,7 @@ from vllm_moe_fixes.ops.permute import (  # noqa: E402
     permute_rows_triton,
 )
 from vllm_moe_fixes.ops.reference import calc_diff  # noqa: E402
+from vllm_moe_fixes.sizes import layer_declared_bytes  # noqa: E402
 
 K, I, E_L, TOPK = 7168, 2048, 8, 8
 FP8 = torch.float8_e4m3fn
@@ -105,7 +106,7 @@ def bench_backend(name, make_experts, gemm, w, m_values):
                                                                gemm))
         ws13, ws2, _ = experts.workspace_shapes(M, I, K, TOPK, E_L)
         declared = 2 * (ws13[0] * ws13[1] + ws2[0] * ws2[1])
-        expected = declared + M * K * 2 + M * K + M * (K // 128) * 4
+        expected = layer_declared_bytes(M, I, K, TOPK, E_L)
         us_mod = bench_us(lambda: modular(kernel), [()])
         us_naive = bench_us(lambda: naive_layer(x, w1, w2, w1s, w2s, weights, ids, gemm), [()])
         us_graph = graph_us(lambda: modular(kernel), [()], calls=max(1, 2048 // M))

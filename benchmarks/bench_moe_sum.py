@@ -33,9 +33,11 @@ import triton.language as tl  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     bench_us,
+    copy_us,
     gbps,
     graph_us,
     host_us,
+    print_best,
     print_table,
     rotating,
     write_json,
@@ -90,13 +92,11 @@ def main():
     for M in MS:
         sets = rotating(functools.partial(_make, M), _bytes(M))
         nbytes = _bytes(M)
-        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
         t = bench_us(_public, sets)
         g = graph_us(_public, sets)
         t_sum = graph_us(lambda x, o: torch.sum(x, dim=1, out=o), sets)
         t_floor = graph_us(_byte_floor, sets)
-        t_copy = graph_us(dst.copy_, [(src,)])
+        t_copy = copy_us(nbytes)
         rows.append({
             "M": M, "topk": TOPK, "K": K, "config": str(default_moe_sum_config(M, K)),
             "us": t, "GB/s": gbps(nbytes, t), "graph_us": g, "graph_GB/s": gbps(nbytes, g),
@@ -112,15 +112,12 @@ def main():
                 us = bench_us(launch, sets, rep=50)
                 sweep.append({"M": M, "block_m": bm, "block_k": bk, "num_warps": w, "us": us,
                               "GB/s": gbps(nbytes, us)})
-        del sets, src, dst
+        del sets
         torch.cuda.empty_cache()
     print_table(rows, list(rows[0]))
     write_json("bench_moe_sum", {"dtype": "bfloat16", "rows": rows})
     if args.sweep:
-        print("\nSweep (launcher, eager), best 8 per M:")
-        for M in MS:
-            best = sorted((r for r in sweep if r["M"] == M), key=lambda r: r["us"])[:8]
-            print_table(best, list(best[0]))
+        print_best(sweep, "\nSweep (launcher, eager), best 8 per M:")
         write_json("bench_moe_sum_sweep", {"rows": sweep})
 
 

@@ -32,9 +32,11 @@ import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     bench_us,
+    copy_us,
     gbps,
     graph_us,
     host_us,
+    print_best,
     print_table,
     rotating,
     write_json,
@@ -88,9 +90,6 @@ def main():
     for M in MS:
         sets = _inputs(M)
         nbytes = _bytes(M)
-        half = nbytes // 2
-        src, dst = torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(
-            half, dtype=torch.uint8, device="cuda")
         t_row = bench_us(_row_major, sets)
         g_row = graph_us(_row_major, sets)
         t_tma = bench_us(_tma, sets)
@@ -98,7 +97,7 @@ def main():
         t_launch = bench_us(_launcher, sets)
         t_ref = bench_us(lambda x, q, s: per_token_group_quant_fp8_ref(x, GROUP, 1e-10, False),
                          sets[:2], rep=50)
-        t_copy = graph_us(dst.copy_, [(src,)])
+        t_copy = copy_us(nbytes)
         rows.append({
             "M": M, "K": K, "config": str(DEFAULT),
             "us": t_row, "GB/s": gbps(nbytes, t_row),
@@ -111,7 +110,7 @@ def main():
         })
         if args.sweep:
             sweep += _sweep(M, sets, nbytes)
-        del sets, src, dst
+        del sets
         torch.cuda.empty_cache()
     print_table(rows, list(rows[0]))
     write_json("bench_quant", {"group_size": GROUP, "dtype": "bfloat16", "rows": rows})
@@ -133,10 +132,7 @@ def _sweep(M, sets, nbytes):
 
 
 def _report_sweep(sweep):
-    print("\nSweep (row-major scales), best 8 per M:")
-    for M in MS:
-        best = sorted((r for r in sweep if r["M"] == M), key=lambda r: r["us"])[:8]
-        print_table(best, list(best[0]))
+    print_best(sweep, "\nSweep (row-major scales), best 8 per M:")
     # A config that is good everywhere: smallest worst-case slowdown against each M's best.
     fastest = {M: min(r["us"] for r in sweep if r["M"] == M) for M in MS}
     keys = ("block_m", "groups_per_prog", "num_warps", "round_in_fp32")

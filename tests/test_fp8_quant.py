@@ -170,6 +170,57 @@ def test_public_op_non_contiguous_rows():
     _check(x, x_q, x_s, 128, 1e-10, False)
 
 
+@pytest.mark.parametrize("layout", ["row", "strided", "col", "tma", "3d"])
+def test_public_op_out_s(layout, kernel_device):
+    """out_s (a workspace view) is written and returned with the same bits as the allocating
+    call; any strides for 2-D x, exact strides with the column-major flags, contiguous for 3-D."""
+    shape = (2, 5, 512) if layout == "3d" else (7, 512)
+    x = _make_x(shape, device=kernel_device, seed=12)
+    G = shape[-1] // 128
+    if layout in ("row", "3d"):
+        out_s = torch.full((*shape[:-1], G), float("nan"), device=kernel_device)
+    elif layout == "strided":  # every other float of a wider buffer, groups outermost
+        out_s = torch.full((G, 2 * shape[0]), float("nan"), device=kernel_device)[:, ::2].t()
+    else:
+        ld = 8 if layout == "tma" else 7
+        out_s = torch.full((G, ld), float("nan"), device=kernel_device)[:, :7].t()
+    flags = dict(column_major_scales=layout in ("col", "tma"), tma_aligned_scales=layout == "tma")
+    x_q, x_s = per_token_group_quant_fp8(x, 128, out_s=out_s, **flags)
+    assert x_s is out_s
+    ref_q, ref_s = per_token_group_quant_fp8(x, 128, **flags)
+    assert x_s.stride() == out_s.stride()
+    assert torch.equal(x_s, ref_s) and torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+def test_public_op_out_s_errors():
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    for bad, flags, match in [
+        (torch.empty(4, 2, dtype=torch.float64), {}, "float32"),
+        ("scales", {}, "float32"),
+        (torch.empty(4, 3), {}, "shape"),
+        (torch.empty(2, 4), {}, "shape"),
+        (torch.empty(4, 2, device="meta"), {}, "shape"),
+        (torch.empty(4, 2), dict(column_major_scales=True), r"strides \(1, 4\)"),  # row-major
+        (torch.empty(2, 5)[:, :4].t(), dict(column_major_scales=True), r"strides \(1, 4\)"),
+        (torch.empty(2, 4).t(), dict(column_major_scales=True, tma_aligned_scales=False,
+                                     ), None),  # the right strides: accepted
+        (torch.empty(2, 4).t(), dict(column_major_scales=True, tma_aligned_scales=True), None),
+    ]:
+        if match is None:
+            per_token_group_quant_fp8(x, 128, out_s=bad, **flags)
+            continue
+        with pytest.raises(ValueError, match=match):
+            per_token_group_quant_fp8(x, 128, out_s=bad, **flags)
+    x3 = torch.randn(2, 3, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        per_token_group_quant_fp8(x3, 128, out_s=torch.empty(2, 2, 3).transpose(1, 2))
+    # M = 5 with tma_aligned_scales pads the M stride to 8: strides (1, 5) are refused.
+    x5 = torch.randn(5, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"strides \(1, 8\)"):
+        per_token_group_quant_fp8(x5, 128, column_major_scales=True, tma_aligned_scales=True,
+                                  out_s=torch.empty(2, 5).t())
+
+
 def _bad(**kw):
     args = dict(x=torch.randn(4, 256, dtype=torch.bfloat16))
     args.update(kw)
@@ -201,6 +252,8 @@ def test_errors():
     _bad(out_q=torch.empty(256, 4, dtype=FP8).t())
     _bad(out_q=torch.empty(4, 256, dtype=FP8, device="meta"))
     _bad(out_q="buffer")
+    _bad(out_s=torch.empty(4, 2, dtype=torch.bfloat16))
+    _bad(out_s=torch.empty(4, 4))
 
 
 # ---------------------------------------------------------------- GPU (bit-exact, > 2**31)
@@ -227,6 +280,22 @@ def test_gpu_bit_exact(shape, layout, use_ue8m0):
     assert torch.equal(q2.view(torch.uint8), ref_q.view(torch.uint8))
     _check(x.cpu(), x_q.cpu(), x_s.cpu(), 128, 1e-10, use_ue8m0)
     _check(x.cpu(), q2.cpu(), x_s.cpu(), 128, 1e-10, use_ue8m0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [{}, dict(column_major_scales=True, tma_aligned_scales=True)])
+def test_gpu_out_s_bit_exact(flags):
+    """The Triton path writes out_s in place (MN-major workspace view, or row-major)."""
+    x = _make_x((1001, 7168), device="cuda", seed=9)
+    ref_q, ref_s = per_token_group_quant_fp8_ref(x, 128, 1e-10, False)
+    if flags:
+        out_s = torch.full((56, 1004), float("nan"), device="cuda")[:, :1001].t()
+    else:
+        out_s = torch.full((1001, 56), float("nan"), device="cuda")
+    x_q, x_s = per_token_group_quant_fp8(x, 128, out_s=out_s, **flags)
+    assert x_s is out_s
+    assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(x_s, ref_s)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_masked_ref,
     grouped_fp8_gemm_masked_triton,
 )
-from vllm_moe_fixes.ops.reference import calc_diff
+from vllm_moe_fixes.ops.reference import calc_diff, quant_block_fp8
 
 FP8 = torch.float8_e4m3fn
 
@@ -29,15 +29,6 @@ def quant_rows(x):
     g = x.float().unflatten(-1, (-1, 128))
     amax = g.abs().amax(-1).clamp(min=1e-4)
     q = (g * (448.0 / amax)[..., None]).to(FP8).flatten(-2)
-    return q, amax / 448.0
-
-
-def quant_blocks(w):
-    """Per-block 128x128 quantisation: w [E, N, K] -> (fp8 [E, N, K], f32 [E, N/128, K/128])."""
-    E, N, K = w.shape
-    g = w.float().view(E, N // 128, 128, K // 128, 128)
-    amax = g.abs().amax(dim=(2, 4)).clamp(min=1e-4)
-    q = (g * (448.0 / amax)[:, :, None, :, None]).to(FP8).view(E, N, K)
     return q, amax / 448.0
 
 
@@ -76,7 +67,7 @@ def make_problem(E, N, K, rows_shape, device, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(*rows_shape, K, generator=g).to(device=device, dtype=torch.bfloat16)
     w = (torch.randn(E, N, K, generator=g) / math.sqrt(K)).to(device=device, dtype=torch.bfloat16)
-    return x, w, quant_rows(x), quant_blocks(w)
+    return x, w, quant_rows(x), quant_block_fp8(w)
 
 
 def check_contiguous(out, a_q, a_s, w_q, w_s, m_idx, tol):

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from vllm_moe_fixes._compat import deep_gemm as compat
+from vllm_moe_fixes.fused_moe import batched_experts as batched_mod
 from vllm_moe_fixes.fused_moe import experts as experts_mod
+from vllm_moe_fixes.fused_moe.batched_experts import (
+    BatchedDeepGemmExperts,
+    BatchedTritonExperts,
+    quant_batched_fp8,
+    select_batched_experts,
+)
 from vllm_moe_fixes.fused_moe.experts import (
     DeepGemmExperts,
     TritonExperts,
@@ -30,11 +37,12 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_triton,
 )
 from vllm_moe_fixes.ops.permute import permute_rows_triton
-from vllm_moe_fixes.ops.reference import calc_diff
-
-
-def rel_err(x, y):
-    return float((x.double() - y.double()).norm() / y.double().norm())
+from vllm_moe_fixes.ops.reference import calc_diff, rel_err
+from vllm_moe_fixes.sizes import (
+    batched_workspace_shapes,
+    contiguous_workspace_shapes,
+    layer_declared_bytes,
+)
 
 
 def make_problem(M, k, E, N, K, *, local=None, device="cpu", seed=0):
@@ -132,6 +140,27 @@ def test_workspaces_reused_and_grown():
     assert _ws_ptrs(other) == ptrs
 
 
+def test_sizes_module_is_torch_free_and_matches_the_experts():
+    import subprocess
+    import sys
+    code = ("import sys, vllm_moe_fixes.sizes as s; assert 'torch' not in sys.modules; "
+            "print(s.ALIGNMENT)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "128"
+    for M, N, K, k, E_l in [(130, 128, 256, 6, 32), (7, 512, 256, 2, 4), (1, 2048, 7168, 8, 32)]:
+        assert TritonExperts().workspace_shapes(M, N, K, k, E_l) == \
+            contiguous_workspace_shapes(M, N, K, k, E_l)
+        assert BatchedTritonExperts().workspace_shapes(M, N, K, k, E_l) == \
+            batched_workspace_shapes(M, N, K, E_l)
+    # ws13: H [2N] or Y [K] + G' [N/2] + G''s scales [N/64] per row; ws2: G [N].
+    assert batched_workspace_shapes(5, 128, 256, 3) == ((3, 5, 256 + 64 + 2), (3, 5, 128),
+                                                          (3, 5, 256))
+    assert batched_workspace_shapes(5, 512, 256, 3) == ((3, 5, 1024), (3, 5, 512), (3, 5, 256))
+    m_sum = (130 * 6 + 32 * 127 + 127) // 128 * 128
+    assert layer_declared_bytes(130, 128, 256, 6, 32) == \
+        2 * (2 * m_sum * 256) + 130 * 256 * 2 + 130 * 256 + 130 * 2 * 4
+
+
 def test_declared_workspace_shapes():
     ws13, ws2, out = TritonExperts().workspace_shapes(130, 128, 256, 6, 32)
     m_sum = (130 * 6 + 32 * 127 + 127) // 128 * 128
@@ -171,6 +200,82 @@ def test_nonlocal_slots_exact_zero_with_poisoned_workspaces(experts_cls, monkeyp
     check_close(out, reference(p))
 
 
+def _batched_reference(a_q, a_s, w1, w1s, w2, w2s, counts):
+    """float32 reference of the batched experts' valid rows (dequantised input)."""
+    out = []
+    for e, c in enumerate(counts):
+        a = a_q[e, :c].float() * a_s[e, :c].repeat_interleave(128, dim=-1)
+        ids = torch.zeros(c, 1, dtype=torch.int64)
+        out.append(moe_reference(a, w1[e:e + 1], w2[e:e + 1], torch.ones(c, 1), ids,
+                                 w1_scale=w1s[e:e + 1], w2_scale=w2s[e:e + 1]))
+    return out
+
+
+@pytest.mark.parametrize("N,K,T,device", [
+    (128, 256, 5, "cpu"), (128, 384, 64, "cpu"), (512, 256, 9, "cpu"), (256, 128, 3, "cpu"),
+    pytest.param(128, 7168, 130, "cuda", marks=pytest.mark.gpu),
+    pytest.param(2048, 7168, 64, "cuda", marks=pytest.mark.gpu)])
+def test_batched_apply_with_exact_poisoned_workspaces(N, K, T, device, monkeypatch):
+    """BatchedTritonExperts.apply with workspaces of exactly the declared sizes, NaN-filled, sitting
+    between NaN guard bands: every view fits (the guards stay untouched; Y + G' + scales fill ws13
+    to its last byte when K + N/2 + N/64 > 2N), and the valid rows match the reference. The quant
+    kernel's row-major scales land in Y's bytes and G''s MN-major scales after G'."""
+    counts = [3, 0, T, 1]
+    e_l = len(counts)
+    g = torch.Generator().manual_seed(N + K + T)
+    w1, w1s = quant_block_fp8(torch.randn(e_l, 2 * N, K, generator=g) / K ** 0.5)
+    w2, w2s = quant_block_fp8(torch.randn(e_l, K, N, generator=g) / N ** 0.5)
+    a_q, a_s = quant_batched_fp8(torch.randn(e_l, T, K, generator=g).bfloat16().to(device))
+    w1, w1s, w2, w2s = (t.to(device) for t in (w1, w1s, w2, w2s))
+    experts = BatchedTritonExperts()
+    ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(T, N, K, 1, e_l)
+    guard = 64
+    bufs = []
+    for shape in (ws13_shape, ws2_shape):
+        n = torch.Size(shape).numel()
+        buf = torch.full((n + 2 * guard,), float("nan"), dtype=torch.bfloat16, device=device)
+        bufs.append((buf, buf[guard:guard + n].view(shape)))
+    (buf13, ws13), (buf2, ws2) = bufs
+    out = ws13.view(-1)[:torch.Size(out_shape).numel()].view(out_shape)
+    seen = {}
+    real_gemm = batched_mod.grouped_fp8_gemm_masked
+
+    def gemm(a, w, o, m):
+        seen.setdefault("a", []).append(a)
+        return real_gemm(a, w, o, m)
+
+    monkeypatch.setattr(batched_mod, "grouped_fp8_gemm_masked", gemm)
+    experts.apply(out, a_q, a_s, w1, w2, w1s, w2s, None, None, "silu", ws13, ws2,
+                  torch.tensor(counts, dtype=torch.int32, device=device))
+    for buf in (buf13, buf2):
+        assert buf[:guard].isnan().all() and buf[-guard:].isnan().all()
+    g_q, g_s = seen["a"][1]  # GEMM2's input: G' and its scales, inside ws13
+    base = ws13.data_ptr()
+    end = base + ws13.numel() * 2
+    assert g_s.stride() == (T * N // 128, 1, T)
+    assert base + e_l * T * K * 2 <= g_q.data_ptr() and g_q.data_ptr() + g_q.numel() <= \
+        g_s.data_ptr() and g_s.data_ptr() + g_s.numel() * 4 <= end
+    if K + N // 2 + N // 64 > 2 * N:
+        assert g_s.data_ptr() + g_s.numel() * 4 == end  # the declared size is tight
+    refs = _batched_reference(*(t.cpu() for t in (a_q, a_s, w1, w1s, w2, w2s)), counts)
+    for e, (c, ref) in enumerate(zip(counts, refs)):
+        if c:
+            check_close(out[e, :c].cpu(), ref)
+
+
+def test_quant_batched_fp8_into_given_buffers():
+    x = torch.randn(3, 5, 256).bfloat16()
+    want_q, want_s = quant_batched_fp8(x)
+    assert want_s.shape == (3, 5, 2) and want_s.stride() == (10, 1, 5)
+    q = torch.empty(3, 5, 256, dtype=torch.float8_e4m3fn)
+    s_mn = torch.full((3, 2, 5), float("nan")).transpose(1, 2)
+    tmp = torch.full((15, 2), float("nan"))
+    got_q, got_s = quant_batched_fp8(x, out_q=q, out_s=s_mn, tmp_s=tmp)
+    assert got_q.data_ptr() == q.data_ptr() and got_s is s_mn
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_s, want_s) and torch.equal(tmp.view(3, 5, 2), want_s)
+
+
 def test_bad_arguments():
     kernel = new_kernel()
     p = make_problem(4, 2, 8, 128, 256)
@@ -200,6 +305,23 @@ def test_bad_arguments():
     bad("activation", activation="gelu")
     bad("apply_router_weight_on_input needs topk == 1", apply_router_weight_on_input=True)
     bad("must be a torch.Tensor", w1_scale=None)
+    bad(r"w1_scale must be float32 \(8, 2, 2\)", w1_scale=torch.ones(8, 3, 2))  # exact shape
+
+
+@pytest.mark.parametrize("N,K", [(96, 256), (128, 200), (192, 128), (64, 64)])
+def test_sizes_not_multiples_of_128_refused(N, K):
+    """No backend runs such a layer: validation says so before anything runs."""
+    E, M = 4, 3
+    w1 = torch.zeros(E, 2 * N, K).to(torch.float8_e4m3fn)
+    w2 = torch.zeros(E, K, N).to(torch.float8_e4m3fn)
+    cdiv = lambda a: -(-a // 128)  # noqa: E731
+    p = dict(hidden_states=torch.randn(M, K).bfloat16(), w1=w1, w2=w2,
+             topk_weights=torch.ones(M, 1), topk_ids=torch.zeros(M, 1, dtype=torch.int64),
+             w1_scale=torch.ones(E, cdiv(2 * N), cdiv(K)), w2_scale=torch.ones(E, cdiv(K), cdiv(N)),
+             expert_map=None)
+    with pytest.raises(ValueError, match=rf"K={K} and intermediate size I={N} must be multiples "
+                                         r"of 128"):
+        run(new_kernel(), p, E)
 
 
 def test_format_mismatch_refused():
@@ -314,6 +436,29 @@ def test_select_experts(monkeypatch, caplog):
         assert type(select_experts(128, 200)) is TritonExperts
     warnings = [r for r in caplog.records if "multiples of 128" in r.getMessage()]
     assert len(warnings) == 2  # once per shape
+    assert all("no backend" in r.getMessage() for r in warnings)
+
+
+def test_select_batched_experts(monkeypatch, caplog):
+    monkeypatch.delenv("VLLM_USE_DEEP_GEMM", raising=False)
+    assert type(select_batched_experts(128, 256)) is BatchedTritonExperts
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")
+    monkeypatch.setattr(compat, "_API", None)
+    with pytest.raises(RuntimeError, match="VLLM_USE_DEEP_GEMM") as err:
+        select_batched_experts(128, 256)
+    assert "DeepGEMM" in str(err.value)
+    _fake_deep_gemm(monkeypatch)
+    assert type(select_batched_experts(128, 256)) is BatchedDeepGemmExperts
+    monkeypatch.setattr(batched_mod, "_warned_shapes", set())
+    with caplog.at_level(logging.WARNING, logger=batched_mod.__name__):
+        assert type(select_batched_experts(96, 256)) is BatchedTritonExperts
+        assert type(select_batched_experts(96, 256)) is BatchedTritonExperts
+        assert type(select_batched_experts(128, 200)) is BatchedTritonExperts
+    warnings = [r for r in caplog.records if "multiples of 128" in r.getMessage()]
+    assert len(warnings) == 2  # once per shape
+    assert all("no backend" in r.getMessage() for r in warnings)
+    from vllm_moe_fixes import fused_moe
+    assert fused_moe.select_batched_experts is select_batched_experts
 
 
 def test_triton_gemm_path_under_interpreter(monkeypatch, kernel_device):
@@ -365,7 +510,8 @@ def test_gpu_peak_memory_is_declared_workspaces_plus_output():
     peak = torch.cuda.max_memory_allocated() - base
     ws13, ws2, _ = TritonExperts().workspace_shapes(M, N, K, k, E)
     declared = 2 * (ws13[0] * ws13[1] + ws2[0] * ws2[1])
-    expected = declared + out.numel() * 2 + M * K + M * (K // 128) * 4
+    expected = layer_declared_bytes(M, N, K, k, E)
+    assert expected == declared + out.numel() * 2 + M * K + M * (K // 128) * 4
     assert expected <= peak <= 1.05 * expected, (peak, expected)
     # steady state: a second call allocates only the output, prepare's tensors and small vectors
     torch.cuda.reset_peak_memory_stats()

@@ -33,6 +33,8 @@ def _half_map(E, seed):
 
 
 def test_num_rows():
+    from vllm_moe_fixes import sizes
+    assert contiguous_num_rows is sizes.contiguous_num_rows and ALIGNMENT == sizes.ALIGNMENT == 128
     assert contiguous_num_rows(1, 1) == 128
     assert contiguous_num_rows(2, 1) == 256  # 2 + 127 = 129 -> 256
     assert contiguous_num_rows(6 * 130, 32) == 4864
@@ -48,7 +50,9 @@ def test_layout_invariants(M, k, E, use_map, neg):
     m_sum = contiguous_num_rows(M * k, E_l)
     assert lay.m_indices.dtype == torch.int32 and lay.m_indices.shape == (m_sum,)
     assert lay.dest.shape == (M * k,) and lay.src_token.shape == (m_sum,)
+    assert lay.dest.dtype == lay.src_token.dtype == torch.int64
     local = local_expert_ids(ids, emap)
+    assert local.dtype == torch.int64 and local.shape == (M * k,)
     is_local = local >= 0
     dest = lay.dest
     # Local slots: distinct rows holding their expert and token, in slot order within an expert.

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
-from vllm_moe_fixes.ops.reference import calc_diff, dequant_block_fp8
+from vllm_moe_fixes.ops import reference
+from vllm_moe_fixes.ops.reference import calc_diff, dequant_block_fp8, rel_err
 
 
 def test_calc_diff():
@@ -14,6 +15,17 @@ def test_calc_diff():
     assert calc_diff(x, 2 * x) == pytest.approx(1 - 4 / 5)
     assert calc_diff(torch.zeros(3), torch.zeros(3)) == 0.0
     assert 0.8 < calc_diff(x, torch.randn(64, 32)) < 1.2
+
+
+def test_rel_err():
+    x = torch.randn(64, 32)
+    assert rel_err(x, x) == 0.0
+    assert rel_err(2 * x, x) == pytest.approx(1.0)
+    assert rel_err(x.bfloat16(), x) == pytest.approx(
+        float((x.bfloat16().double() - x.double()).norm() / x.double().norm()))
+    # An all-zero reference stays finite (clamped denominator): 0 for zeros, huge otherwise.
+    assert rel_err(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert rel_err(torch.ones(3), torch.zeros(3)) == pytest.approx(3 ** 0.5 / 1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -45,6 +57,7 @@ def test_fused_topk_errors():
 
 
 def test_block_quant_roundtrip():
+    assert quant_block_fp8 is reference.quant_block_fp8  # one recipe, re-exported by routing
     w = torch.randn(2, 256, 384, generator=torch.Generator().manual_seed(1))
     q, s = quant_block_fp8(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2, 3)

@@ -1,6 +1,10 @@
 """The modular MoE layer: prepare/finalize (NoEP, DeepEP high-throughput, low-latency) x experts."""
 
-from vllm_moe_fixes.fused_moe.batched_experts import BatchedDeepGemmExperts, BatchedTritonExperts
+from vllm_moe_fixes.fused_moe.batched_experts import (
+    BatchedDeepGemmExperts,
+    BatchedTritonExperts,
+    select_batched_experts,
+)
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
@@ -20,4 +24,5 @@ from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
            "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize", "DeepGemmExperts", "Experts",
            "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize", "PrepareResult",
-           "TritonExperts", "Workspaces", "fused_topk", "moe_reference", "select_experts"]
+           "TritonExperts", "Workspaces", "fused_topk", "moe_reference", "select_batched_experts",
+           "select_experts"]

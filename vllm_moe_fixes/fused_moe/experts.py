@@ -12,9 +12,10 @@
 
 Each step reads only the buffer the previous one wrote, so two buffers of M_sum x max(2N, K) and
 M_sum x max(N, K) bf16 elements suffice (ws2 holds A's M_sum*K*(1 + 1/32) bytes in its
-2*M_sum*max(N, K); ws13 holds G''s M_sum*N*(1 + 1/32) bytes in its 2*M_sum*max(2N, K)). M_sum
-counts the LOCAL experts (ops/permute.py). The only per-call allocations are the index vectors of
-the layout and G''s scales (M_sum * N/128 float32).
+2*M_sum*max(N, K); ws13 holds G' and its MN-major scales, M_sum*N*(1 + 1/32) bytes, in its
+2*M_sum*max(2N, K)). M_sum counts the LOCAL experts (ops/permute.py); the shapes are
+vllm_moe_fixes.sizes.contiguous_workspace_shapes. The only per-call allocations are the index
+vectors of the layout.
 """
 
 from __future__ import annotations
@@ -27,22 +28,19 @@ import torch
 
 from vllm_moe_fixes import envs
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
-from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
+from vllm_moe_fixes.fused_moe.modular_kernel import BLOCK, FP8_DTYPE, ActivationFormat, Experts
 from vllm_moe_fixes.ops.activation import silu_and_mul
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous
 from vllm_moe_fixes.ops.permute import (
     ALIGNMENT,
     build_contiguous_layout,
-    contiguous_num_rows,
     permute_rows,
     unpermute_rows,
 )
+from vllm_moe_fixes.sizes import contiguous_workspace_shapes
 
 logger = logging.getLogger(__name__)
-
-FP8_DTYPE = torch.float8_e4m3fn
-BLOCK = 128
 
 
 def _byte_view(ws: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
@@ -70,13 +68,10 @@ class ContiguousExperts(Experts):
         """Contiguous grouped GEMM, DeepGEMM's contract (ops.grouped_fp8_gemm_contiguous)."""
 
     def workspace_shapes(self, M, N, K, topk, local_num_experts):
-        m_sum = contiguous_num_rows(M * topk, local_num_experts)
-        return (m_sum, max(2 * N, K)), (m_sum, max(N, K)), (M, topk, K)
+        return contiguous_workspace_shapes(M, N, K, topk, local_num_experts)
 
     def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
               activation, workspace13, workspace2, expert_num_tokens) -> None:
-        if activation != "silu":
-            raise ValueError(f"activation must be 'silu', got {activation!r}")
         E_l, K, N = w2.shape
         layout = build_contiguous_layout(topk_ids, E_l, expert_map)
         m_sum = layout.m_indices.shape[0]
@@ -87,9 +82,9 @@ class ContiguousExperts(Experts):
         self.gemm((a_q, a_s), (w1, w1_scale), h, layout.m_indices)
         g = workspace2.view(-1)[:m_sum * N].view(m_sum, N)
         silu_and_mul(h, out=g)
-        g_q = _byte_view(workspace13, 0, (m_sum, N), FP8_DTYPE)
-        g_q, g_s = per_token_group_quant_fp8(g, BLOCK, column_major_scales=True,
-                                             tma_aligned_scales=True, out_q=g_q)
+        g_q, g_s = _fp8_with_mn_major_scales(workspace13, m_sum, N)
+        per_token_group_quant_fp8(g, BLOCK, column_major_scales=True, tma_aligned_scales=True,
+                                  out_q=g_q, out_s=g_s)
         y = workspace2.view(-1)[:m_sum * K].view(m_sum, K)
         self.gemm((g_q, g_s), (w2, w2_scale), y, layout.m_indices)
         unpermute_rows(y, layout, output)
@@ -132,7 +127,8 @@ def select_experts(intermediate_size: int, hidden_size: int) -> ContiguousExpert
 
     Returns DeepGemmExperts or TritonExperts. With VLLM_USE_DEEP_GEMM=1: DeepGEMM not importable
     -> RuntimeError naming VLLM_USE_DEEP_GEMM and DeepGEMM; N or K not a multiple of 128 ->
-    TritonExperts, with one logged warning per shape.
+    TritonExperts with one logged warning per shape, but no backend runs such a layer: the
+    kernel's validation then raises a ValueError naming the sizes.
     """
     if not envs.VLLM_USE_DEEP_GEMM:
         return TritonExperts()
@@ -141,8 +137,9 @@ def select_experts(intermediate_size: int, hidden_size: int) -> ContiguousExpert
         shape = (intermediate_size, hidden_size)
         if shape not in _warned_shapes:
             _warned_shapes.add(shape)
-            logger.warning("VLLM_USE_DEEP_GEMM=1 but DeepGEMM needs N and K multiples of %d "
-                           "(N=%d, K=%d): using TritonExperts", BLOCK, intermediate_size,
-                           hidden_size)
+            logger.warning("VLLM_USE_DEEP_GEMM=1 but N=%d, K=%d are not multiples of %d: no "
+                           "backend (DeepGEMM or Triton) supports such a layer; returning "
+                           "TritonExperts, and running the layer will raise a ValueError",
+                           intermediate_size, hidden_size, BLOCK)
         return TritonExperts()
     return DeepGemmExperts()

@@ -10,7 +10,8 @@ Memory of one call, counted on top of the inputs and weights:
     workspace13 + workspace2 (declared by the experts, bf16 elements; kept across calls)
     + the returned output [M, K]
     + what prepare allocates (NoEP: a1q fp8 [M, K] and a1q_scale f32 [M, K/128])
-    + small per-call tensors of the experts (index vectors, requantised scales).
+    + small per-call tensors of the experts (the contiguous layout's index vectors).
+(vllm_moe_fixes.sizes.layer_declared_bytes adds these up, the index vectors aside.)
 The experts' unreduced output (`fused_out`, out_shape) is a view of the start of workspace13, so it
 costs nothing extra: an Experts implementation must finish reading workspace13 before it writes
 `output` (or place what it still needs past out_shape's element count).
@@ -24,6 +25,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from vllm_moe_fixes.ops.permute import _check
 
 FP8_DTYPE = torch.float8_e4m3fn
 BLOCK = 128  # scale block of weights (128x128) and activations (1x128)
@@ -139,11 +142,6 @@ class Workspaces:
         return ws13, ws2
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
@@ -228,11 +226,9 @@ class FusedMoEModularKernel:
         fused_out = ws13.view(-1)[:math.prod(out_shape)].view(out_shape)
 
         output = torch.empty_like(hidden_states)
-        if rows > 0:
+        if rows > 0:  # rows == 0: out_shape has a zero dimension, fused_out is empty
             experts.apply(fused_out, prep.a1q, prep.a1q_scale, w1, w2, w1_scale, w2_scale,
                           topk_ids, expert_map, activation, ws13, ws2, prep.expert_num_tokens)
-        else:
-            fused_out.zero_()
         pf.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input)
         return output
 
@@ -252,12 +248,14 @@ class FusedMoEModularKernel:
         _check(E_l > 0 and two_n > 0 and two_n % 2 == 0 and k_w1 == K,
                f"w1 must be [E_l, 2I, K={K}] with E_l > 0 and an even 2I > 0, got {_shape(w1)}")
         N = two_n // 2
+        _check(K % BLOCK == 0 and N % BLOCK == 0,
+               f"hidden size K={K} and intermediate size I={N} must be multiples of {BLOCK} "
+               f"(the 128x128 weight blocks and 1x128 activation groups every backend uses)")
         _check(w2.dtype == FP8_DTYPE and _shape(w2) == (E_l, K, N),
                f"w2 must be float8_e4m3fn [E_l, K, I] = {(E_l, K, N)}, got {w2.dtype} {_shape(w2)}")
         _check(w1.is_contiguous() and w2.is_contiguous(), "w1 and w2 must be contiguous")
-        cdiv = lambda a: (a + BLOCK - 1) // BLOCK  # noqa: E731
-        for name, s, want in (("w1_scale", w1_scale, (E_l, cdiv(2 * N), cdiv(K))),
-                              ("w2_scale", w2_scale, (E_l, cdiv(K), cdiv(N)))):
+        for name, s, want in (("w1_scale", w1_scale, (E_l, 2 * N // BLOCK, K // BLOCK)),
+                              ("w2_scale", w2_scale, (E_l, K // BLOCK, N // BLOCK))):
             _check(s.dtype == torch.float32 and _shape(s) == want,
                    f"{name} must be float32 {want} (128x128 blocks), got {s.dtype} {_shape(s)}")
         _check(topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype == torch.int64,

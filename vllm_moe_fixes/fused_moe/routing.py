@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_moe_fixes.ops.reference import dequant_block_fp8
+# quant_block_fp8 lives in ops/reference.py; re-exported here (README and cli import it from here).
+from vllm_moe_fixes.ops.reference import dequant_block_fp8, quant_block_fp8
 
-BLOCK = 128
+__all__ = ["fused_topk", "moe_reference", "quant_block_fp8"]
 
 
 def fused_topk(gating_output: torch.Tensor, topk: int,
@@ -36,19 +37,6 @@ def fused_topk(gating_output: torch.Tensor, topk: int,
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids.to(torch.int64)
-
-
-def quant_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [..., R, C] (R, C multiples of 128) -> (float8_e4m3fn [..., R, C], float32
-    [..., R/128, C/128]) with 128x128 block scales amax/448 (DeepGEMM's per-block recipe; amax
-    floored at 1e-4). For making test and benchmark weights."""
-    R, C = w.shape[-2:]
-    if R % BLOCK or C % BLOCK:
-        raise ValueError(f"w's last two dimensions must be multiples of {BLOCK}, got {(R, C)}")
-    blocks = w.float().unflatten(-1, (C // BLOCK, BLOCK)).unflatten(-3, (R // BLOCK, BLOCK))
-    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-4)
-    q = (blocks * (448.0 / amax)).to(torch.float8_e4m3fn).flatten(-2).flatten(-3, -2)
-    return q, (amax / 448.0).squeeze(-1).squeeze(-2)
 
 
 def moe_reference(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

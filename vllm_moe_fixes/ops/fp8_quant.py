@@ -143,6 +143,26 @@ def per_token_group_quant_fp8_triton(
     )
 
 
+def _check_out_s(out_s, want_shape, device, ndim, column_major, tma_aligned) -> torch.Tensor:
+    """Validate per_token_group_quant_fp8's out_s (see its docstring) and return it."""
+    if not isinstance(out_s, torch.Tensor) or out_s.dtype is not torch.float32:
+        raise ValueError(f"out_s must be a torch.float32 tensor, got "
+                         f"{getattr(out_s, 'dtype', type(out_s))}")
+    if tuple(out_s.shape) != tuple(want_shape) or out_s.device != device:
+        raise ValueError(f"out_s must have shape {tuple(want_shape)} on {device}, got "
+                         f"{tuple(out_s.shape)} on {out_s.device}")
+    if column_major:
+        M = want_shape[0]
+        ld = (M + 3) & -4 if tma_aligned else M
+        if out_s.numel() and tuple(out_s.stride()) != (1, ld):
+            flags = "column_major_scales" + (" and tma_aligned_scales" if tma_aligned else "")
+            raise ValueError(f"with {flags} out_s must have strides (1, {ld}), got "
+                             f"{tuple(out_s.stride())}")
+    elif ndim != 2 and not out_s.is_contiguous():
+        raise ValueError(f"out_s must be contiguous for a {ndim}-D x (any strides only for 2-D x)")
+    return out_s
+
+
 def per_token_group_quant_fp8(
     x: torch.Tensor,
     group_size: int = 128,
@@ -152,6 +172,7 @@ def per_token_group_quant_fp8(
     tma_aligned_scales: bool = False,
     out_q: torch.Tensor | None = None,
     use_ue8m0: bool = False,
+    out_s: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise activations to FP8 with one float32 scale per group of channels.
 
@@ -166,6 +187,10 @@ def per_token_group_quant_fp8(
         out_q: optional float8_e4m3fn tensor of x's shape and device, contiguous; written and
             returned as x_q.
         use_ue8m0: round every scale up to a power of two (2**ceil(log2(scale))).
+        out_s: optional float32 tensor [..., K / group_size] on x's device; written and returned
+            as x_s (e.g. a view into a workspace). Its strides: with column_major_scales exactly
+            the ones the flags would produce, (1, M) or with tma_aligned_scales (1, align4(M));
+            otherwise any strides for a 2-D x, and contiguous for any other rank.
 
     Returns:
         x_q: float8_e4m3fn [..., K], q = clamp(x / scale, -448, 448) rounded to nearest even.
@@ -215,7 +240,10 @@ def per_token_group_quant_fp8(
         x_q = out_q
 
     num_groups = K // group_size
-    if column_major_scales:
+    if out_s is not None:
+        x_s = _check_out_s(out_s, (*shape[:-1], num_groups), device, ndim, column_major_scales,
+                           tma_aligned_scales)
+    elif column_major_scales:
         # [M, G] with strides (1, ld): column g is a contiguous run of M scales; the storage holds
         # G * ld floats (the padded layout DeepGEMM reads), allocated in one call.
         M = shape[0]

@@ -36,13 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-ALIGNMENT = 128
+from vllm_moe_fixes.sizes import ALIGNMENT, contiguous_num_rows
 
-
-def contiguous_num_rows(num_slots: int, local_num_experts: int) -> int:
-    """M_sum = round_up(num_slots + local_num_experts * 127, 128): rows of the contiguous layout."""
-    rows = num_slots + local_num_experts * (ALIGNMENT - 1)
-    return (rows + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
 @dataclass
@@ -69,7 +64,7 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) ->
     if expert_map is None:
         return ids
     local = expert_map.to(torch.int64)[ids.clamp(min=0)]
-    return torch.where(ids >= 0, local, torch.full_like(local, -1))
+    return torch.where(ids >= 0, local, -1)
 
 
 def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int,
@@ -101,8 +96,7 @@ def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int,
     sorted_local, order = torch.sort(local, stable=True)
     e = sorted_local.clamp(min=0)
     rank_in_expert = torch.arange(num_slots, device=dev) - first_sorted[e]
-    dest_sorted = torch.where(sorted_local >= 0, seg_start[e] + rank_in_expert,
-                              torch.full_like(e, m_sum - 1))
+    dest_sorted = torch.where(sorted_local >= 0, seg_start[e] + rank_in_expert, m_sum - 1)
     dest = torch.empty_like(dest_sorted).index_copy_(0, order, dest_sorted)
 
     # Non-local slots all write -1 into the dump row, which no local slot uses (module docstring).

@@ -1,5 +1,6 @@
 """Plain-torch references for the ops in fp8_quant.py, moe_sum.py and activation.py, the
-block-FP8 dequantisation every float32 reference uses, and the accuracy metric they are judged by.
+block-FP8 (de)quantisation of weights every float32 reference and test uses, and the accuracy
+metrics they are judged by.
 
 The public ops run these on CPU tensors; the GPU tests run them on CUDA tensors and compare the
 Triton kernels against them bit for bit (quant, moe_sum) or to within one output ulp (silu_and_mul,
@@ -83,9 +84,31 @@ def dequant_block_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     return w.float() * s
 
 
+def quant_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., R, C] (R, C multiples of 128) -> (float8_e4m3fn [..., R, C], float32
+    [..., R/128, C/128]) with 128x128 block scales amax/448 (DeepGEMM's per-block recipe; amax
+    floored at 1e-4). For making test and benchmark weights."""
+    R, C = w.shape[-2:]
+    if R % SCALE_BLOCK or C % SCALE_BLOCK:
+        raise ValueError(f"w's last two dimensions must be multiples of {SCALE_BLOCK}, got "
+                         f"{(R, C)}")
+    blocks = w.float().unflatten(-1, (C // SCALE_BLOCK, SCALE_BLOCK))
+    blocks = blocks.unflatten(-3, (R // SCALE_BLOCK, SCALE_BLOCK))
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-4)
+    q = (blocks * (448.0 / amax)).to(torch.float8_e4m3fn).flatten(-2).flatten(-3, -2)
+    return q, (amax / 448.0).squeeze(-1).squeeze(-2)
+
+
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """DeepGEMM's similarity measure 1 - 2<x, y> / (<x, x> + <y, y>) in float64: 0 when x == y,
     ~1 for unrelated data (two all-zero tensors count as equal)."""
     x, y = x.double(), y.double()
     denom = (x * x + y * y).sum()
     return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+
+
+def rel_err(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-12) -> float:
+    """Relative L2 error ||x - y|| / max(||y||, eps) in float64 (y is the reference; the clamp
+    keeps an all-zero reference finite: then the error is ||x|| / eps, 0 when x is zero too)."""
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm().clamp(min=eps))

@@ -1,0 +1,50 @@
+"""Buffer sizes of the MoE layer, in plain Python (no torch import: the planner uses these).
+
+All shapes are in bf16 ELEMENTS. N is the intermediate size I (w1 [E_l, 2N, K], w2 [E_l, K, N]),
+K the hidden size, E_l the number of local experts.
+
+Contiguous layout (TritonExperts / DeepGemmExperts, see ops/permute.py): M tokens routed to topk
+experts each give M*topk slots; every local expert's segment starts at a multiple of ALIGNMENT
+rows, so M_sum = round_up(M*topk + E_l*(ALIGNMENT-1), ALIGNMENT) rows hold them all.
+
+Batched layout (BatchedTritonExperts / BatchedDeepGemmExperts, see fused_moe/batched_experts.py):
+T rows per local expert slice.
+"""
+
+from __future__ import annotations
+
+ALIGNMENT = 128
+
+
+def contiguous_num_rows(num_slots: int, local_num_experts: int) -> int:
+    """M_sum = round_up(num_slots + local_num_experts * 127, 128): rows of the contiguous layout."""
+    rows = num_slots + local_num_experts * (ALIGNMENT - 1)
+    return (rows + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def contiguous_workspace_shapes(M: int, N: int, K: int, topk: int, local_num_experts: int):
+    """(ws13, ws2, out) element shapes of the contiguous experts for M tokens."""
+    m_sum = contiguous_num_rows(M * topk, local_num_experts)
+    return (m_sum, max(2 * N, K)), (m_sum, max(N, K)), (M, topk, K)
+
+
+def batched_workspace_shapes(T: int, N: int, K: int, local_num_experts: int):
+    """(ws13, ws2, out) element shapes of the batched experts for T rows per expert slice.
+
+    ws13 holds H [E_l, T, 2N] (GEMM1's output), later the output Y [E_l, T, K] at its start
+    followed (16-byte aligned) by the requantised G' (N fp8 bytes = N/2 bf16 elements per row)
+    and G''s float32 scales (N/128 per row = N/64 bf16 elements). ws2 holds only G [E_l, T, N].
+    N and K are multiples of 128 for any runnable layer.
+    """
+    e = local_num_experts
+    return (e, T, max(2 * N, K + N // 2 + N // 64)), (e, T, N), (e, T, K)
+
+
+def layer_declared_bytes(M: int, N: int, K: int, topk: int, local_num_experts: int) -> int:
+    """Bytes one contiguous-layout layer call (NoEP + TritonExperts / DeepGemmExperts) allocates
+    on top of inputs and weights, small index vectors aside: the two bf16 workspaces, the returned
+    bf16 output [M, K], and prepare's quantised input (fp8 [M, K]) and its float32 scales
+    [M, K/128]."""
+    ws13, ws2, _ = contiguous_workspace_shapes(M, N, K, topk, local_num_experts)
+    workspaces = 2 * (ws13[0] * ws13[1] + ws2[0] * ws2[1])
+    return workspaces + 2 * M * K + M * K + 4 * M * (K // ALIGNMENT)
