@@ -14,19 +14,18 @@ Results go to benchmarks/results/all2all_ws<N>.json (all2all_ws<N>_e<E>.json for
 """
 
 import argparse
-import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks._common import print_table, write_json  # noqa: E402
+from vllm_moe_fixes.distributed.launch import run_distributed  # noqa: E402
 
 # DeepEP v1.2.1 on 2 x H200 (contracts/deep_ep.md): (time us, GB/s) per operation.
 DEEPEP_EP2 = {"ht_dispatch_fp8": (256, 236), "ht_dispatch_bf16": (352, 332), "ht_combine": (396, 295),
@@ -57,18 +56,13 @@ def _routing(tokens, experts, k, device, seed):
     return scores.topk(k, dim=1).indices.to(device), torch.rand(tokens, k, generator=g).to(device)
 
 
-def _bench(rank, world, port, args, out):
+def _bench(rank, world, args):
+    """One rank (in launch.run_distributed's group: NCCL, or gloo with --smoke): the timings,
+    identical on every rank (each is the slowest rank's)."""
     from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
     from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    cuda = not args.smoke
-    backend = "nccl" if cuda else "gloo"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            **({"device_id": device} if cuda else {}))
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", rank)
     h, k = args.hidden, 8
     ht_tokens, ll_tokens, ll_experts = (4096, 128, 32) if not args.smoke else (64, 8, 8 * world)
     results = {}
@@ -105,18 +99,11 @@ def _bench(rank, world, port, args, out):
             ("ll_combine", lambda: ll.low_latency_combine(y, ids, w, handle), 2 * h)):
         us = _time_us(fn, args.iters, device)
         results[name] = {"us": us, "GBps": selections * msg_bytes / (us * 1e-6) / 1e9}
-    if rank == 0:
-        out.update(results)
-    dist.destroy_process_group()
+    return results if rank == 0 else None
 
 
-def _main_rank0(rank, world, port, args, path):
-    """Every rank runs _bench; rank 0 also prints and writes the results."""
-    results = {}
-    _bench(rank, world, port, args, results)
-    if rank:
-        return
-    from _common import print_table, write_json
+def _report(results, world, args, path):
+    """Print the table and (not --smoke) write the JSON."""
     rows = []
     for name, r in results.items():
         ref = DEEPEP_EP2.get(name) if world == 2 and not args.smoke else None
@@ -144,13 +131,10 @@ def main():
         args.hidden, args.ht_experts, args.iters = 2048, 8 * args.world_size, 2
     elif torch.cuda.device_count() < args.world_size:
         p.error(f"--world-size {args.world_size} needs that many GPUs; {torch.cuda.device_count()} visible")
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    with socket.socket() as sock:  # a free port for the process group's rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     name = f"all2all_ws{args.world_size}" + ("" if args.ht_experts == 256 else f"_e{args.ht_experts}")
-    mp.spawn(_main_rank0, args=(args.world_size, port, args, name),
-             nprocs=args.world_size, join=True)
+    # One process per GPU (NCCL, spawned; NCCL_NVLS_ENABLE=0 in each) or gloo ranks with --smoke.
+    results = run_distributed(_bench, args.world_size, args, backend="gloo" if args.smoke else "nccl")
+    _report(results[0], args.world_size, args, name)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _dist import device_for, run_distributed
 
-from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer, _ll_quant
+from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
 
 H_HT = 256      # any hidden works in normal mode
 H_LL = 2048     # smallest hidden DeepEP's low-latency kernels support
@@ -93,8 +93,7 @@ def _ht_worker(rank, world):
         out = buf.dispatch((q, s), handle=handle)
         assert out[1:] == (None, None, None, None, None)
         rq, rs = out[0]
-        want_q, _, _ = _expected_ht([qq.float() for qq in [None] * 0] or
-                                    [xs_r.float().clamp(-448, 448).to(torch.float8_e4m3fn).float() for xs_r in xs],
+        want_q, _, _ = _expected_ht([xs_r.float().clamp(-448, 448).to(torch.float8_e4m3fn).float() for xs_r in xs],
                                     ids, ws, rank, e_local)
         assert rq.dtype == torch.float8_e4m3fn and torch.equal(rq.float(), want_q)
         assert rs.shape == (recv.shape[0], H_HT // 128) and rs.dtype == torch.float32
@@ -121,6 +120,14 @@ def _ht_worker(rank, world):
         buf.get_dispatch_layout(idx.int(), 32)
     with pytest.raises(ValueError, match="multiple of the rank count"):
         buf.get_dispatch_layout(idx, 32 * world + 1)
+    # dispatch skips re-reading the range of the topk_idx get_dispatch_layout just checked, but not
+    # once that tensor was modified in place.
+    idx2 = idx.clone()
+    lay = buf.get_dispatch_layout(idx2, 8)
+    idx2[0, 0] = 8
+    with pytest.raises(ValueError, match=r"topk_idx values must lie in \[-1, 8\)"):
+        buf.dispatch(x, topk_idx=idx2, topk_weights=w, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1],
+                     is_token_in_rank=lay[3], num_tokens_per_expert=lay[2])
     with pytest.raises(ValueError, match="needs num_tokens_per_rank"):
         buf.dispatch(x, topk_idx=idx, topk_weights=w)
     with pytest.raises(ValueError, match="no topk_idx"):
@@ -144,12 +151,25 @@ LL_CASES = [  # (seed, tokens per rank, N, E, k, mode)
 ]
 
 
-def _ll_expected(xs, ids, rank, world, e_local, n):
+def _ll_expected(xs, ids, rank, e_local):
     """Per local expert e: rows of (src, token) pairs selecting it, by source then token."""
     slices = []
     for e in range(rank * e_local, (rank + 1) * e_local):
         slices.append(torch.cat([x[(i == e).any(1)] for x, i in zip(xs, ids)]))
     return slices
+
+
+def _deepep_ll_cast(rows):
+    """DeepEP's low-latency FP8 cast, written out independently of the buffer: per 1x128 group of a
+    bf16 row, amax = max(max |x|, 1e-4) in float32, scale = 448 / amax (one IEEE division),
+    q = clamp(x * scale, +-448) to e4m3 (round to nearest even), scale_inv = amax * float32(1/448)."""
+    p, h = rows.shape
+    g = rows.float().reshape(p, h // 128, 128)
+    amax = torch.maximum(g.abs().amax(-1), torch.tensor(1e-4, dtype=torch.float32, device=rows.device))
+    scale = torch.div(torch.full_like(amax, 448.0), amax)
+    inv448 = torch.tensor(1.0 / 448.0, dtype=torch.float32, device=rows.device)
+    q = torch.clamp(g * scale[..., None], -448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.reshape(p, h), amax * inv448
 
 
 def _ll_worker(rank, world):
@@ -160,7 +180,7 @@ def _ll_worker(rank, world):
         xs, ids, ws = make_problem(seed, tokens(world), E, k, H_LL, mode, dev)
         x, idx, w = xs[rank], ids[rank], ws[rank]
         e_local = E // world
-        want = _ll_expected(xs, ids, rank, world, e_local, n)
+        want = _ll_expected(xs, ids, rank, e_local)
         stats = torch.zeros(e_local, dtype=torch.int32, device=dev)
 
         (rq, rs), count, _, event, hook = buf.low_latency_dispatch(
@@ -173,7 +193,7 @@ def _ll_worker(rank, world):
         assert torch.equal(stats, count)
         for e, rows in enumerate(want):
             c = len(rows)
-            wq, ws_ = _ll_quant(rows, round_scale=False)
+            wq, ws_ = _deepep_ll_cast(rows)
             assert torch.equal(rq[e, :c].view(torch.uint8), wq.view(torch.uint8))
             assert torch.equal(rs[e, :c], ws_)
             deq = rq[e, :c].float() * rs[e, :c].repeat_interleave(128, 1)

@@ -38,6 +38,21 @@ def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+def check_positive_int(name: str, value) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int >= 1 (the one count check of the EP paths)."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def check_experts_per_rank(num_experts: int, num_ranks: int) -> int:
+    """Return E_local = num_experts // num_ranks; raise ``ValueError`` unless num_experts is a
+    positive multiple of num_ranks (DeepEP places expert g on rank g // E_local)."""
+    if num_experts < 1 or num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the number of ranks {num_ranks} "
+                         "(num_experts must be a positive multiple of the rank count)")
+    return num_experts // num_ranks
+
+
 @dataclass(frozen=True)
 class Config:
     """Mirror of DeepEP's ``Config``: SMs and the per-channel chunk sizes of normal mode.
@@ -163,14 +178,12 @@ def check_low_latency_config(num_max_dispatch_tokens_per_rank: int, hidden: int,
     """Raise ``ValueError`` (numbers included) where DeepEP's low-latency mode cannot serve this
     configuration; otherwise return the RDMA bytes it needs."""
     n, h, r, e = num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
-    if n < 1 or r < 1 or e < 1:
-        raise ValueError(f"low-latency sizes must be positive: max_tokens_per_rank={n}, "
-                         f"num_ranks={r}, num_experts={e}")
+    for name, value in (("max_tokens_per_rank", n), ("num_ranks", r), ("num_experts", e)):
+        check_positive_int(name, value)
     if h not in LL_SUPPORTED_HIDDEN:
         raise ValueError(f"hidden={h} is not supported by DeepEP's low-latency kernels; "
                          f"allowed: {', '.join(map(str, LL_SUPPORTED_HIDDEN))}")
-    if e % r:
-        raise ValueError(f"num_experts={e} is not divisible by the number of ranks {r}")
+    check_experts_per_rank(e, r)
     if (r * n) % 4:
         raise ValueError(f"num_ranks * max_tokens_per_rank = {r} * {n} = {r * n} must be a multiple of 4")
     need = deepep_ll_rdma_bytes(n, h, r, e)
@@ -219,11 +232,9 @@ def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
         raise ValueError(f"backend={backend!r} is not known; allowed: {', '.join(envs.ALL2ALL_BACKENDS)}")
     for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
                         ("num_experts", num_experts)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int")
+        check_positive_int(name, value)
     num_ranks = _group_size(group)
-    if num_experts % num_ranks:
-        raise ValueError(f"num_experts={num_experts} is not divisible by the number of ranks {num_ranks}")
+    check_experts_per_rank(num_experts, num_ranks)
 
     if backend == "naive":
         kwargs = dict(low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens_per_rank,

@@ -4,7 +4,9 @@
 expert-parallel code for real (gloo) as well as NCCL on GPUs. It speaks DeepEP v1.2.1's shapes,
 dtypes, -1 conventions, return tuples and handle semantics (contracts/deep_ep.md); every exchange is
 a ``torch.distributed.all_to_all_single`` of a byte view (gloo has no float8), preceded by one
-exchange of the counts. Where DeepEP would assert, this raises ``ValueError``.
+exchange of the counts. The per-row tensors of one call (x, its scales, top-k ids and weights) are
+packed into one byte row and moved in a single exchange; each dispatch path reads its counts to the
+host once. Where DeepEP would assert, this raises ``ValueError``.
 
 Differences from DeepEP, by design:
   * Everything is synchronous: ``async_finish`` and ``previous_event`` are accepted and ignored, the
@@ -18,14 +20,15 @@ Differences from DeepEP, by design:
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from vllm_moe_fixes.distributed import deepep as sizing
+from vllm_moe_fixes.ops.reference import FP8_MAX
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # DeepEP's low-latency cast floors amax at this margin, so an all-zero group gets a finite scale.
 LL_AMAX_FLOOR = 1e-4
 
@@ -75,13 +78,15 @@ class TorchAll2AllBuffer:
         self.low_latency_mode = low_latency_mode
         self.num_rdma_bytes = 0
         if low_latency_mode:
-            sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
-            if any(not isinstance(v, int) or v < 1 for v in sizes):
-                raise ValueError("low_latency_mode needs positive num_max_dispatch_tokens_per_rank, hidden "
-                                 f"and num_experts; got {sizes}")
+            for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                                ("hidden", hidden), ("num_experts", num_experts)):
+                sizing.check_positive_int(name, value)  # low_latency_mode needs all three
             self.num_rdma_bytes = sizing.deepep_ll_rdma_bytes(
                 num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
         self.ll_sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        # (weakref to the topk_idx, its version, num_experts) whose values were checked last:
+        # get_dispatch_layout + dispatch on the same routing read its range to the host once.
+        self._checked_topk: tuple | None = None
 
     # ----------------------------------------------------------------- static helpers (DeepEP's)
     @staticmethod
@@ -115,7 +120,25 @@ class TorchAll2AllBuffer:
         out = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=send.device)
         if row_bytes:
             dist.all_to_all_single(out, payload, recv_splits, send_splits, group=self.group)
-        return out.view(send.dtype).view(-1, *send.shape[1:])
+        return out.view(send.dtype).view(out.shape[0], *send.shape[1:])
+
+    def _exchange_packed(self, fields: list[torch.Tensor], send_splits: list[int], recv_splits: list[int],
+                         rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Move the rows of several tensors [T, ...] (any dtypes, same T) in ONE all_to_all_single.
+
+        Each row's fields are packed into one uint8 row (``rows``: the row indices to send, in send
+        order; None: all rows), exchanged, and sliced back into contiguous tensors [T', ...]."""
+        if len(fields) == 1:
+            return [self._exchange(fields[0] if rows is None else fields[0][rows], send_splits, recv_splits)]
+        t = fields[0].shape[0]
+        widths = [math.prod(f.shape[1:]) * f.element_size() for f in fields]
+        payload = torch.cat([f.contiguous().view(torch.uint8).reshape(t, w) for f, w in zip(fields, widths)], 1)
+        got = self._exchange(payload if rows is None else payload[rows], send_splits, recv_splits)
+        out, start = [], 0
+        for f, w in zip(fields, widths):
+            out.append(got[:, start:start + w].contiguous().view(f.dtype).view(got.shape[0], *f.shape[1:]))
+            start += w
+        return out
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """[R, c] int64 (row r goes to rank r) -> [R, c] int64 (row r came from rank r)."""
@@ -140,15 +163,17 @@ class TorchAll2AllBuffer:
             is_token_in_rank: bool [T, R].
             event: None.
         """
-        self._check_topk(topk_idx, num_experts)
-        r = self.group_size
+        e_local = self._check_topk(topk_idx, num_experts)
+        r, dev = self.group_size, topk_idx.device
         valid = topk_idx >= 0
-        t = topk_idx.shape[0]
-        tok = torch.arange(t, device=topk_idx.device)[:, None].expand_as(topk_idx)
-        in_rank = torch.zeros(t, r, dtype=torch.bool, device=topk_idx.device)
-        in_rank[tok[valid], topk_idx[valid] // (num_experts // r)] = True
+        # -1 slots land in a spare column / bin that is dropped: no boolean indexing, no host sync.
+        dest = torch.where(valid, topk_idx // e_local, r)
+        in_rank = torch.zeros(topk_idx.shape[0], r + 1, dtype=torch.bool, device=dev) \
+            .scatter_(1, dest, True)[:, :r].contiguous()
         per_rank = in_rank.sum(0, dtype=torch.int32)
-        per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+        per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev).index_add_(
+            0, torch.where(valid, topk_idx, num_experts).reshape(-1),
+            torch.ones(topk_idx.numel(), dtype=torch.int32, device=dev))[:num_experts]
         per_rdma = None
         if r > sizing.NUM_MAX_NVL_PEERS:
             per_rdma = in_rank.view(-1, r // sizing.NUM_MAX_NVL_PEERS, sizing.NUM_MAX_NVL_PEERS) \
@@ -194,8 +219,8 @@ class TorchAll2AllBuffer:
             if handle.is_token_in_rank.shape[0] != x_data.shape[0]:
                 raise ValueError(f"x has {x_data.shape[0]} tokens but the handle was made for "
                                  f"{handle.is_token_in_rank.shape[0]}")
-            recv = self._send_rows(handle, x_data, x_scales)
-            return recv, None, None, None, None, None
+            fields = self._send_rows(handle, [x_data] + ([x_scales] if x_scales is not None else []))
+            return (fields[0] if x_scales is None else tuple(fields)), None, None, None, None, None
 
         for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                             ("num_tokens_per_expert", num_tokens_per_expert)):
@@ -206,38 +231,43 @@ class TorchAll2AllBuffer:
             raise ValueError(f"is_token_in_rank must be bool [{t}, {r}]; got {is_token_in_rank.dtype} "
                              f"{list(is_token_in_rank.shape)}")
         num_experts = num_tokens_per_expert.numel()
-        if num_experts % r:
-            raise ValueError(f"num_tokens_per_expert has {num_experts} experts, not divisible by {r} ranks")
+        e_local = sizing.check_experts_per_rank(num_experts, r)
+        if tuple(num_tokens_per_rank.shape) != (r,):
+            raise ValueError(f"num_tokens_per_rank must be [{r}]; got {list(num_tokens_per_rank.shape)}")
         if topk_idx is not None:
-            self._check_topk(topk_idx, num_experts)
+            self._check_topk(topk_idx, num_experts)  # no host read if get_dispatch_layout checked it
             if topk_idx.shape[0] != t:
                 raise ValueError(f"topk_idx has {topk_idx.shape[0]} tokens, x has {t}")
             if topk_weights is None or topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
                 raise ValueError(f"topk_weights must be float32 {list(topk_idx.shape)} alongside topk_idx")
 
-        # Rows grouped by destination rank, token order within a rank.
-        dest, token = is_token_in_rank.t().nonzero(as_tuple=True)
-        send_splits = torch.bincount(dest, minlength=r).tolist()
-        counts = torch.zeros(r, 1 + num_experts // r, dtype=torch.int64, device=x_data.device)
-        counts[:, 0] = torch.tensor(send_splits, device=x_data.device)
-        counts[:, 1:] = num_tokens_per_expert.view(r, -1)
+        # Counts to every rank: [R, 1 + E_local] = (tokens sent, per-expert selections).
+        counts = torch.cat([num_tokens_per_rank.view(r, 1).long(), num_tokens_per_expert.view(r, e_local).long()], 1)
         got = self._exchange_counts(counts)
-        recv_splits = got[:, 0].tolist()
-        handle = _HTHandle(is_token_in_rank, token, send_splits, recv_splits)
-        recv_x = self._send_rows(handle, x_data, x_scales)
-
         per_expert = got[:, 1:].sum(0)
         per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+        host = torch.cat([counts[:, 0], got[:, 0], per_expert]).tolist()  # the one read of the counts
+        send_splits, recv_splits, per_expert_list = host[:r], host[r:2 * r], host[2 * r:]
+        # Rows grouped by destination rank, token order within a rank.
+        _, token = is_token_in_rank.t().nonzero(as_tuple=True)
+        if token.numel() != sum(send_splits):
+            raise ValueError(f"num_tokens_per_rank {send_splits} does not match is_token_in_rank "
+                             f"({token.numel()} rows)")
+        handle = _HTHandle(is_token_in_rank, token, send_splits, recv_splits)
+        fields = [x_data] + ([x_scales] if x_scales is not None else [])
+        if topk_idx is not None:
+            fields += [topk_idx, topk_weights]
+        got_fields = self._send_rows(handle, fields)
+        recv_x = tuple(got_fields[:2]) if x_scales is not None else got_fields[0]
+
         recv_idx = recv_w = None
         if topk_idx is not None:
-            recv_idx = self._exchange(topk_idx[token], send_splits, recv_splits)
-            recv_w = self._exchange(topk_weights[token], send_splits, recv_splits)
-            e_local = num_experts // r
+            recv_idx, recv_w = got_fields[-2:]
             local = recv_idx - self.rank * e_local
             here = (recv_idx >= 0) & (local >= 0) & (local < e_local)
             recv_idx = torch.where(here, local, torch.full_like(local, -1))
             recv_w = torch.where(here, recv_w, torch.zeros_like(recv_w))
-        return recv_x, recv_idx, recv_w, per_expert.tolist(), handle, None
+        return recv_x, recv_idx, recv_w, per_expert_list, handle, None
 
     def combine(self, x: torch.Tensor, handle: _HTHandle, topk_weights: torch.Tensor | None = None,
                 bias=None, config=None, previous_event=None, async_finish: bool = False,
@@ -261,28 +291,26 @@ class TorchAll2AllBuffer:
         t_recv = sum(handle.recv_splits)
         if x.dim() != 2 or x.shape[0] != t_recv:
             raise ValueError(f"x must be [{t_recv}, H] (the received token count); got {list(x.shape)}")
+        if topk_weights is not None and (topk_weights.dim() != 2 or topk_weights.shape[0] != t_recv):
+            raise ValueError(f"topk_weights must have {t_recv} rows; got {list(topk_weights.shape)}")
         t = handle.is_token_in_rank.shape[0]
-        back = self._exchange(x, handle.recv_splits, handle.send_splits)
+        fields = [x] + ([topk_weights.float()] if topk_weights is not None else [])
+        back = self._exchange_packed(fields, handle.recv_splits, handle.send_splits)  # x and weights at once
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, handle.send_rows, back.float())
+        out.index_add_(0, handle.send_rows, back[0].float())
         if bias is not None:
             for b in bias if isinstance(bias, tuple) else (bias,):
                 if b is not None:
                     out += b.float()
         combined_w = None
         if topk_weights is not None:
-            if topk_weights.shape[0] != t_recv:
-                raise ValueError(f"topk_weights must have {t_recv} rows; got {list(topk_weights.shape)}")
-            back_w = self._exchange(topk_weights.float(), handle.recv_splits, handle.send_splits)
             combined_w = torch.zeros(t, topk_weights.shape[1], dtype=torch.float32, device=x.device)
-            combined_w.index_add_(0, handle.send_rows, back_w)
+            combined_w.index_add_(0, handle.send_rows, back[1])
         return out.to(x.dtype), combined_w, None
 
-    def _send_rows(self, handle: _HTHandle, x: torch.Tensor, scales: torch.Tensor | None):
-        recv = self._exchange(x[handle.send_rows], handle.send_splits, handle.recv_splits)
-        if scales is None:
-            return recv
-        return recv, self._exchange(scales[handle.send_rows], handle.send_splits, handle.recv_splits)
+    def _send_rows(self, handle: _HTHandle, fields: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The handle's rows of each [T, ...] field, sent in one exchange: [T', ...] each."""
+        return self._exchange_packed(fields, handle.send_splits, handle.recv_splits, rows=handle.send_rows)
 
     # ----------------------------------------------------------------- low-latency mode
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -322,7 +350,7 @@ class TorchAll2AllBuffer:
             raise ValueError("use_ue8m0=True: UE8M0 scales are not supported by TorchAll2AllBuffer")
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are mutually exclusive")
-        self._check_topk(topk_idx, num_experts)
+        e_local = self._check_topk(topk_idx, num_experts)
         t, k = topk_idx.shape
         if t != x.shape[0]:
             raise ValueError(f"topk_idx has {t} tokens, x has {x.shape[0]}")
@@ -337,49 +365,52 @@ class TorchAll2AllBuffer:
                 f"low-latency buffer too small: (N={n}, H={h}, E={num_experts}) needs {need} bytes, the buffer "
                 f"was sized for (N={bn}, H={bh}, E={be}) = {self.num_rdma_bytes} bytes "
                 "(DeepEP's layout.total_bytes <= num_rdma_bytes)")
-        e_local = num_experts // r
 
         # One (token, slot) pair per selected expert, sorted by expert: grouped by destination rank,
-        # then by local expert, token order within an expert.
+        # then by local expert, token order within an expert (nonzero lists the pairs in token
+        # order, and the sort is stable).
         tok, slot = (topk_idx >= 0).nonzero(as_tuple=True)
         expert = topk_idx[tok, slot]
-        order = torch.sort(expert * t + tok, stable=True).indices
+        order = torch.sort(expert, stable=True).indices
         tok, slot, expert = tok[order], slot[order], expert[order]
-        per_expert = torch.bincount(expert, minlength=num_experts).view(r, e_local)
+        per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device) \
+            .index_add_(0, expert, torch.ones_like(expert)).view(r, e_local)
         counts = torch.cat([per_expert, torch.full((r, 1), n, dtype=torch.int64, device=x.device)], 1)
         got = self._exchange_counts(counts)  # [R(src), E_local + 1]
-        if (got[:, -1] != n).any():
-            raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: {got[:, -1].tolist()}")
+        host = torch.cat([got.reshape(-1), per_expert.sum(1)]).tolist()  # the one read of the counts
+        got_rows = [host[i * (e_local + 1):(i + 1) * (e_local + 1)] for i in range(r)]
+        if any(row[-1] != n for row in got_rows):
+            raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: {[row[-1] for row in got_rows]}")
         got = got[:, :-1]
-        send_splits = per_expert.sum(1).tolist()
-        recv_splits = got.sum(1).tolist()
+        send_splits = host[r * (e_local + 1):]
+        recv_splits = [sum(row[:-1]) for row in got_rows]
 
         # Where each received row goes: expert e's slice holds source rank 0's rows, then rank 1's...
         flat = got.reshape(-1)  # received blocks in (src, e) order
         block_start = torch.cumsum(flat, 0) - flat
         slice_start = (torch.cumsum(got, 0) - got).reshape(-1)  # offset of src s inside expert e's slice
-        block = torch.repeat_interleave(torch.arange(flat.numel(), device=x.device), flat)
+        block = torch.repeat_interleave(torch.arange(flat.numel(), device=x.device), flat,
+                                        output_size=sum(recv_splits))
         recv_expert = block % e_local
         recv_pos = slice_start[block] + torch.arange(block.numel(), device=x.device) - block_start[block]
         handle = _LLHandle(tok, slot, send_splits, recv_splits, recv_expert, recv_pos, n, h, num_experts)
 
-        rows = x[tok]
         recv_count = got.sum(0).to(torch.int32)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.dtype)
         hook = (lambda: None) if return_recv_hook else None
         if not use_fp8:
             recv_x = torch.empty(e_local, r * n, h, dtype=torch.bfloat16, device=x.device)
-            recv_x[recv_expert, recv_pos] = self._exchange(rows, send_splits, recv_splits)
+            recv_x[recv_expert, recv_pos] = self._exchange(x[tok], send_splits, recv_splits)
             return recv_x, recv_count, handle, None, hook
 
-        q, s = _ll_quant(rows, round_scale)
-        packed = torch.cat([q.view(torch.uint8), s.view(torch.uint8)], 1)
-        got_rows = self._exchange(packed, send_splits, recv_splits)
+        # Quantise each token once (the cast is per row), then send its row once per selected expert.
+        q, s = _ll_quant(x, round_scale)
+        got_q, got_s = self._exchange_packed([q, s], send_splits, recv_splits, rows=tok)
         recv_q = torch.empty(e_local, r * n, h, dtype=torch.float8_e4m3fn, device=x.device)
         recv_s = torch.empty(e_local, h // 128, r * n, dtype=torch.float32, device=x.device).transpose(1, 2)
-        recv_q[recv_expert, recv_pos] = got_rows[:, :h].contiguous().view(torch.float8_e4m3fn)
-        recv_s[recv_expert, recv_pos] = got_rows[:, h:].contiguous().view(torch.float32)
+        recv_q[recv_expert, recv_pos] = got_q
+        recv_s[recv_expert, recv_pos] = got_s
         return (recv_q, recv_s), recv_count, handle, None, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -425,15 +456,21 @@ class TorchAll2AllBuffer:
         return out, None, ((lambda: None) if return_recv_hook else None)
 
     # ----------------------------------------------------------------- validation
-    def _check_topk(self, topk_idx: torch.Tensor, num_experts: int) -> None:
+    def _check_topk(self, topk_idx: torch.Tensor, num_experts: int) -> int:
+        """Validate topk_idx against num_experts; return E_local. The value range costs one host
+        read (aminmax), skipped when this very tensor, unmodified, was checked last."""
         if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
             raise ValueError(f"topk_idx must be int64 [T, k]; got {topk_idx.dtype} {list(topk_idx.shape)}")
-        if num_experts < 1 or num_experts % self.group_size:
-            raise ValueError(f"num_experts={num_experts} must be a positive multiple of the rank count "
-                             f"{self.group_size}")
-        if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts):
-            raise ValueError(f"topk_idx values must lie in [-1, {num_experts}); got "
-                             f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
+        e_local = sizing.check_experts_per_rank(num_experts, self.group_size)
+        last = self._checked_topk
+        if last is not None and last[0]() is topk_idx and last[1:] == (topk_idx._version, num_experts):
+            return e_local
+        if topk_idx.numel():
+            lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
+            if lo < -1 or hi >= num_experts:
+                raise ValueError(f"topk_idx values must lie in [-1, {num_experts}); got [{lo}, {hi}]")
+        self._checked_topk = (weakref.ref(topk_idx), topk_idx._version, num_experts)
+        return e_local
 
     @staticmethod
     def _check_rows(x: torch.Tensor, scales: torch.Tensor | None) -> None:
@@ -459,7 +496,7 @@ def _ll_quant(rows: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torc
         scale = 1.0 / scale_inv
     else:
         scale_inv = amax * (1.0 / FP8_MAX)
-        scale = FP8_MAX / amax
+        scale = torch.full_like(amax, FP8_MAX) / amax  # one correctly rounded division, as DeepEP
     q = (g * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(p, h), scale_inv
 

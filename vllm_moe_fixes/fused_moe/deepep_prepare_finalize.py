@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import torch
 
+from vllm_moe_fixes.distributed.deepep import check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.fused_moe.batched_experts import quant_batched_fp8
-from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, PrepareAndFinalize, PrepareResult
+from vllm_moe_fixes.fused_moe.modular_kernel import (
+    BLOCK,
+    ActivationFormat,
+    PrepareAndFinalize,
+    PrepareResult,
+)
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 
-BLOCK = 128
-
-
-def _check_count(name: str, value) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
 
 
 def _weighted_input(a1: torch.Tensor, topk_weights: torch.Tensor, on_input: bool) -> torch.Tensor:
@@ -50,7 +50,7 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
     activation_format = ActivationFormat.STANDARD
 
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int) -> None:
-        _check_count("num_dispatchers", num_dispatchers)
+        check_positive_int("num_dispatchers", num_dispatchers)
         if not isinstance(rank_expert_offset, int) or rank_expert_offset < 0:
             raise ValueError(f"rank_expert_offset={rank_expert_offset!r} must be an int >= 0")
         self.buffer = buffer
@@ -71,9 +71,7 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
         f32 [M', k] (0 at -1). The per-local-expert received counts are kept in
         ``num_recv_tokens_per_expert``.
         """
-        if num_experts % self._num_dispatchers:
-            raise ValueError(f"num_experts={num_experts} is not divisible by num_dispatchers="
-                             f"{self._num_dispatchers}")
+        check_experts_per_rank(num_experts, self._num_dispatchers)
         a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input)
         a1q, a1s = per_token_group_quant_fp8(a1, BLOCK)
         topk_ids = topk_ids.contiguous()
@@ -118,8 +116,8 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
 
     def __init__(self, buffer, *, num_dispatchers: int, max_tokens_per_rank: int,
                  use_fp8_dispatch: bool = True) -> None:
-        _check_count("num_dispatchers", num_dispatchers)
-        _check_count("max_tokens_per_rank", max_tokens_per_rank)
+        check_positive_int("num_dispatchers", num_dispatchers)
+        check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
         self.buffer = buffer
         self._num_dispatchers = num_dispatchers
         self.max_tokens_per_rank_ = max_tokens_per_rank

@@ -1,0 +1,80 @@
+"""Run a function on every rank of a fresh local process group (gloo on CPU, NCCL one process per GPU).
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes that join a group on a
+free local port and call ``fn(rank, world_size, *args)``; it returns the list of the ranks' return
+values (``result[r]`` is rank r's; ``None`` where fn returned None). Return values travel by pickle
+through a temporary file per rank, so return small, picklable, preferably CPU objects.
+
+A failure on any rank fails the caller: every failing rank prints its own traceback to stderr (the
+launcher reports only one rank's error, often a peer's "connection closed") and the call raises.
+``fn`` must be a module-level function. gloo ranks are forked (fast); NCCL ranks are spawned (CUDA
+cannot be forked), which costs seconds: run several cases per call. Each child sets
+``NCCL_NVLS_ENABLE=0`` (NVLink multicast off) in its own environment; the caller's is untouched.
+
+Not imported by ``vllm_moe_fixes.distributed`` (which must stay torch-free); torch is imported here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import traceback
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # this child's environment only
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120),
+                            **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
+    try:
+        try:
+            result = fn(rank, world_size, *args)
+        except BaseException as exc:  # pytest's Failed is not an Exception: spawn would lose it
+            print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            raise RuntimeError(f"rank {rank}: {traceback.format_exc()}") from exc
+        if result is not None:
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+                pickle.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; raise if any fails.
+
+    Returns ``[fn's return value on rank r for r in range(world_size)]``.
+    """
+    import torch.multiprocessing as mp
+
+    # fork is several times faster than spawn (no re-import of torch); CUDA needs spawn.
+    method = "spawn" if backend == "nccl" else "fork"
+    with tempfile.TemporaryDirectory(prefix="vllm_moe_fixes_ranks_") as out_dir:
+        mp.start_processes(_worker, args=(world_size, free_port(), backend, fn, args, out_dir),
+                           nprocs=world_size, join=True, start_method=method)
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append(None)
+        return results
