@@ -13,7 +13,6 @@ from vllm_moe_fixes import cli
 from vllm_moe_fixes.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAS_EP = importlib.util.find_spec("vllm_moe_fixes.fused_moe.deepep_prepare_finalize") is not None
 
 
 @pytest.fixture(autouse=True)
@@ -65,8 +64,7 @@ def test_plan_json(capsys):
     for kind in ("zero", "random"):
         assert {"busiest_slots", "mean_slots", "imbalance", "layer_bytes",
                 "memory_bytes"} <= set(plan["loads"][kind])
-    assert plan["flags"]["fixed_rdma_below_ll_hint"]["raised"]  # the seed's fixed 1 GiB at DP=128
-    assert plan["deepep"]["ll_rdma_hint_bytes"] == 1_908_410_496
+    assert all({"raised", "detail"} == set(flag) for flag in plan["flags"].values())
 
 
 def test_plan_table_defaults_from_env(monkeypatch, capsys):
@@ -115,13 +113,46 @@ def test_demo_fails_when_check_fails(monkeypatch, capsys):
     (["demo", "--topk", "17"], "--topk"),
     (["demo", "--tokens", "0"], "--tokens"),
     (["demo", "--low-latency", "--backend", "deepep_high_throughput"], "--low-latency"),
+    # Low-latency sizes DeepEP (and so the naive buffer) refuses: found before any process starts.
+    (["demo", "--world-size", "2", "--low-latency", "--hidden", "1024", "--experts", "8"],
+     "hidden=1024 is not supported"),
+    (["demo", "--world-size", "2", "--low-latency", "--hidden", "2048", "--tokens", "1"],
+     "must be a multiple of 4"),
 ])
 def test_demo_bad_arguments(argv, match, capsys):
     assert main(argv) == 2
     assert match in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not HAS_EP, reason="the EP prepare/finalize module is not there yet")
+def test_demo_deepep_backend_without_deepep_is_an_environment_error(monkeypatch, capsys):
+    if cli._optional("deep_ep")[0]:
+        pytest.skip("deep_ep is installed here")
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "deepep_high_throughput")
+    assert main(["demo", "--world-size", "2", "--cpu"]) == 2
+    assert "needs DeepEP" in capsys.readouterr().err
+
+
+_REAL_RUN_LAYER = cli._run_layer
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_demo_error_while_running_exits_1(world_size, monkeypatch, capsys):
+    """An error on any rank (here only on the last one) fails the demo with status 1, not 2, and
+    does not hang the other ranks."""
+    def fail(args, rank, world_size, device):
+        if rank == world_size - 1:
+            raise RuntimeError("injected kernel failure")
+        return _REAL_RUN_LAYER(args, rank, world_size, device)
+
+    monkeypatch.setattr(cli, "_run_layer", fail)  # ranks are forked: they see the patch
+    start = time.perf_counter()
+    assert main(["demo", "--world-size", str(world_size), "--cpu", "--reps", "0", "--tokens", "8",
+                 "--hidden", "256", "--intermediate", "128", "--experts", "4", "--topk", "2"]) == 1
+    assert time.perf_counter() - start < 60
+    captured = capsys.readouterr()
+    assert "injected kernel failure" in captured.err and "FAIL" in captured.out
+
+
 def test_demo_world_size_2_gloo(capsys):
     assert main(["demo", "--world-size", "2", "--cpu", "--reps", "1", "--tokens", "32"]) == 0
     out = capsys.readouterr().out
@@ -171,6 +202,30 @@ def test_bench_without_gpu_or_plots(tmp_path, capsys):
         assert "matplotlib is not installed" in out
     else:
         assert (tmp_path / "results" / "bench_x.png").is_file()
+
+
+def _fake_gpus(monkeypatch, count):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_bench_only_an_area_that_cannot_run_is_refused(tmp_path, monkeypatch, capsys):
+    _fake_gpus(monkeypatch, 1)
+    (tmp_path / "bench_all2all.py").write_text("raise SystemExit('must not run')\n")
+    assert main(["bench", "--only", "all2all", "--dir", str(tmp_path)]) == 2
+    assert "needs 2 GPUs" in capsys.readouterr().err
+    assert main(["bench", "--only", "quant", "--dir", str(tmp_path)]) == 2
+    assert "bench_quant.py not found" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()  # refused before anything ran
+
+
+def test_bench_missing_script_is_a_failure(tmp_path, monkeypatch, capsys):
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setattr(cli, "_plot", lambda results_dir: [])
+    assert main(["bench", "--dir", str(tmp_path)]) == 1  # no script at all
+    out = capsys.readouterr().out
+    assert "bench_quant.py not found" in out and "FAILED" in out and "failed: quant" in out
 
 
 def test_series_extraction():

@@ -43,16 +43,6 @@ def test_booleans(monkeypatch, name, raw, value):
     assert getattr(envs, name) is value
 
 
-@pytest.mark.parametrize("name", ["VLLM_USE_DEEP_GEMM", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS"])
-@pytest.mark.parametrize("raw", ["2", "yes", "on", "-1", "tru"])
-def test_bad_boolean_names_variable_value_and_allowed(monkeypatch, name, raw):
-    monkeypatch.setenv(name, raw)
-    with pytest.raises(ValueError) as err:
-        getattr(envs, name)
-    message = str(err.value)
-    assert name in message and repr(raw) in message and "true, false" in message
-
-
 def test_reads_the_environment_at_access_time(monkeypatch):
     monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")
     assert envs.VLLM_USE_DEEP_GEMM is True
@@ -66,26 +56,32 @@ def test_backend_values(monkeypatch, raw):
     assert envs.VLLM_ALL2ALL_BACKEND == raw.lower()
 
 
-def test_bad_backend(monkeypatch):
-    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "pplx")
-    with pytest.raises(ValueError, match=r"VLLM_ALL2ALL_BACKEND='pplx'.*naive, deepep_high_throughput, "
-                                         r"deepep_low_latency"):
-        envs.VLLM_ALL2ALL_BACKEND
-
-
 @pytest.mark.parametrize("name", ["VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB"])
 def test_positive_ints(monkeypatch, name):
     monkeypatch.setenv(name, "512")
     assert getattr(envs, name) == 512
 
 
-@pytest.mark.parametrize("name", ["VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB"])
-@pytest.mark.parametrize("raw", ["0", "-4", "1.5", "abc", "1e3"])
-def test_bad_ints(monkeypatch, name, raw):
+BAD_VALUES = (
+    [(name, raw) for name in ("VLLM_USE_DEEP_GEMM", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS")
+     for raw in ("2", "yes", "on", "-1", "tru")]
+    + [(name, raw) for name in ("VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB")
+       for raw in ("0", "-4", "1.5", "abc", "1e3")]
+    + [("VLLM_ALL2ALL_BACKEND", "pplx")])
+
+
+@pytest.mark.parametrize("name,raw", BAD_VALUES)
+def test_bad_value_names_variable_value_and_allowed(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValueError) as err:
         getattr(envs, name)
-    assert name in str(err.value) and repr(raw) in str(err.value) and "integer > 0" in str(err.value)
+    message = str(err.value)
+    assert name in message and repr(raw) in message and envs.REGISTRY[name].allowed in message
+    assert f"{name}={raw!r}" in message
+    # The allowed values of each kind, spelled out.
+    assert {"VLLM_USE_DEEP_GEMM": "true, false", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS": "true, false",
+            "VLLM_MOE_DP_CHUNK_SIZE": "integer > 0", "VLLM_DEEPEP_BUFFER_SIZE_MB": "integer > 0",
+            "VLLM_ALL2ALL_BACKEND": "naive, deepep_high_throughput, deepep_low_latency"}[name] in message
 
 
 def test_unknown_attribute_is_attribute_error():

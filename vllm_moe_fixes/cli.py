@@ -5,8 +5,9 @@
     vllm-moe-fixes demo [--world-size N] [--tokens M] [--seed S]   one layer vs the reference
     vllm-moe-fixes bench [--only AREA] [--plot-only]              benchmarks/ scripts + PNG plots
 
-Also ``python -m vllm_moe_fixes``. Exit status: 0 success, 1 a failed demo check or benchmark,
-2 a bad argument or environment value, or a backend the environment asks for that cannot run.
+Also ``python -m vllm_moe_fixes``. Exit status: 0 success, 1 a failed demo (a wrong result, or an
+error while running the layer on any rank) or benchmark, 2 a bad argument or environment value, or a
+backend the environment asks for that cannot run (found before anything runs).
 Heavy imports (torch, Triton, the kernels) happen inside the subcommand that needs them.
 """
 
@@ -19,6 +20,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from vllm_moe_fixes import envs
@@ -230,22 +232,21 @@ def _ep_components(args: argparse.Namespace, rank: int, world_size: int, local_e
     high-throughput (standard layout) or low-latency (batched layout) prepare/finalize, and the
     experts VLLM_USE_DEEP_GEMM selects."""
     from vllm_moe_fixes.distributed.deepep import make_all2all_buffer
-    from vllm_moe_fixes.fused_moe import batched_experts
+    from vllm_moe_fixes.fused_moe.batched_experts import select_batched_experts
     from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
         DeepEPHTPrepareAndFinalize,
         DeepEPLLPrepareAndFinalize,
     )
     from vllm_moe_fixes.fused_moe.experts import select_experts
 
-    backend = args.backend or envs.VLLM_ALL2ALL_BACKEND
-    low_latency = backend == "deepep_low_latency" or args.low_latency
+    backend = _demo_backend(args)
+    low_latency = _demo_low_latency(args)
     buffer = make_all2all_buffer(backend, None, max_tokens_per_rank=args.tokens,
                                  hidden=args.hidden, num_experts=args.experts)
     if low_latency:
         pf = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=world_size,
                                         max_tokens_per_rank=args.tokens)
-        experts = (batched_experts.BatchedDeepGemmExperts() if envs.VLLM_USE_DEEP_GEMM
-                   else batched_experts.BatchedTritonExperts())
+        experts = select_batched_experts(args.intermediate, args.hidden)
     else:
         pf = DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world_size,
                                         rank_expert_offset=rank * local_experts)
@@ -253,41 +254,39 @@ def _ep_components(args: argparse.Namespace, rank: int, world_size: int, local_e
     return pf, experts, f"{backend} ({'low-latency' if low_latency else 'high-throughput'} mode)"
 
 
-def _demo_rank(rank: int, world_size: int, port: int, backend: str, args: argparse.Namespace,
-               result_path: str) -> None:
-    """One process of ``demo --world-size N``: join the group, run the layer, gather to rank 0."""
-    import datetime
+def _demo_backend(args: argparse.Namespace) -> str:
+    return args.backend or envs.VLLM_ALL2ALL_BACKEND
 
+
+def _demo_low_latency(args: argparse.Namespace) -> bool:
+    return _demo_backend(args) == "deepep_low_latency" or args.low_latency
+
+
+def _demo_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    """One rank of ``demo --world-size N`` (run by ``run_distributed``, the group joined): run the
+    layer on this rank's GPU (NCCL) or the CPU (gloo) and return its measurements. An exception
+    propagates: the launcher prints it and fails the whole run."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    nccl = dist.get_backend() == "nccl"
+    return _run_layer(args, rank, world_size, torch.device("cuda", rank) if nccl else torch.device("cpu"))
+
+
+def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
+    """Raise UsageError (exit 2, nothing started) for bad arguments, bad environment values, and
+    backends or sizes that cannot run here."""
+    from vllm_moe_fixes._compat import deep_ep, deep_gemm
+    from vllm_moe_fixes.distributed.deepep import (
+        check_low_latency_config,
+        deepep_nvl_bytes,
+    )
+
     try:
-        try:
-            result = _run_layer(args, rank, world_size, device)
-        except Exception as e:  # noqa: BLE001 -- reported by rank 0 beside the others' results
-            result = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
-        results = [None] * world_size
-        dist.all_gather_object(results, result)
-        if rank == 0:
-            Path(result_path).write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _validate_demo(args: argparse.Namespace) -> None:
+        envs.current_values()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     checks = [(args.world_size >= 1, f"--world-size must be >= 1, got {args.world_size}"),
               (args.tokens >= 1, f"--tokens must be >= 1, got {args.tokens}"),
               (args.hidden > 0 and args.hidden % 128 == 0, f"--hidden must be a positive multiple of 128, got {args.hidden}"),
@@ -300,44 +299,55 @@ def _validate_demo(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
-    if args.low_latency and (args.backend or envs.VLLM_ALL2ALL_BACKEND) == "deepep_high_throughput":
+    backend, n = _demo_backend(args), args.world_size
+    if args.low_latency and backend == "deepep_high_throughput":
         raise UsageError("--low-latency needs the naive or deepep_low_latency backend")
+    if envs.VLLM_USE_DEEP_GEMM and not deep_gemm.is_available():
+        raise UsageError("VLLM_USE_DEEP_GEMM=1 but DeepGEMM is not importable: build it from source "
+                         "or set VLLM_USE_DEEP_GEMM=0")
+    if n == 1:
+        return  # no all-to-all: the backend and --low-latency play no part
+    if backend != "naive":
+        if not deep_ep.is_available():
+            raise UsageError(f"backend {backend} needs DeepEP, which is not importable: build it "
+                             "from source or use the naive backend")
+        if not use_cuda:
+            raise UsageError(f"backend {backend} runs on GPUs only: use the naive backend on CPU")
+    try:
+        if _demo_low_latency(args):
+            check_low_latency_config(args.tokens, args.hidden, n, args.experts)
+        elif backend == "deepep_high_throughput":
+            deepep_nvl_bytes(args.hidden, n)
+    except ValueError as e:
+        raise UsageError(f"{backend} ({'low-latency' if _demo_low_latency(args) else 'high-throughput'} "
+                         f"mode) cannot run --tokens {args.tokens} --hidden {args.hidden} "
+                         f"--experts {args.experts} --world-size {n}: {e}") from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
-    try:
-        envs.current_values()
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    _validate_demo(args)
     n = args.world_size
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= n and not args.cpu
+    _validate_demo(args, use_cuda)
     where = (f"{n} GPU(s), NCCL" if n > 1 else "GPU") if use_cuda else (
         f"{n} CPU processes, gloo" if n > 1 else "CPU")
     print(f"demo: one MoE layer, K={args.hidden} I={args.intermediate} E={args.experts} "
           f"top-{args.topk}, {args.tokens} tokens per rank, world size {n} on {where}")
-    if n == 1:
-        try:
+    try:
+        if n == 1:
             results = [_run_layer(args, 0, 1, torch.device("cuda" if use_cuda else "cpu"))]
-        except (RuntimeError, ImportError) as e:
-            raise UsageError(f"{type(e).__name__}: {e}") from None
-    else:
-        import tempfile
-
-        import torch.multiprocessing as mp
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "results.json")
-            mp.spawn(_demo_rank, args=(n, _free_port(), "nccl" if use_cuda else "gloo", args, path),
-                     nprocs=n, join=True)
-            results = json.loads(Path(path).read_text())
-    errors = [r for r in results if "error" in r]
-    for r in errors:
-        print(f"  rank {r['rank']}: ERROR {r['error']}")
-    if errors:
-        return 2
+        else:
+            from vllm_moe_fixes.distributed.launch import run_distributed
+            results = run_distributed(_demo_rank, n, args, backend="nccl" if use_cuda else "gloo")
+    except Exception as e:  # noqa: BLE001 -- a failed run is a failed demo: exit 1, with the error
+        if n == 1:
+            traceback.print_exc()
+        lines = str(e).strip().splitlines()  # a rank's error carries its whole traceback: the last line
+        print(f"demo FAILED: {type(e).__name__}: {lines[-1] if lines else ''}"
+              + (" (each failing rank printed its traceback above)" if n > 1 else ""), file=sys.stderr)
+        print("check vs moe_reference: FAIL (the layer did not run)")
+        return 1
     r0 = results[0]
     print(f"  path: {r0['prepare_finalize']} + {r0['experts']}, all-to-all: {r0['all2all']}")
     worst = max(results, key=lambda r: r["diff"])
@@ -436,12 +446,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              "the device (use --plot-only to draw plots from existing results)")
         areas = [args.only] if args.only else list(BENCH_AREAS)
         scripts = [(a, bench_dir / BENCH_AREAS[a]) for a in areas]
-        missing = [a for a, s in scripts if not s.is_file()]
-        for a in missing:
-            print(f"  {a}: {BENCH_AREAS[a]} not found in {bench_dir}, skipped")
+        one_gpu = torch.cuda.device_count() < 2
+        if args.only:  # the one area asked for must run: refuse before starting anything
+            if not scripts[0][1].is_file():
+                raise UsageError(f"--only {args.only}: {BENCH_AREAS[args.only]} not found in {bench_dir}")
+            if args.only == "all2all" and one_gpu:
+                raise UsageError("--only all2all needs 2 GPUs (bench_all2all.py --world-size 2); "
+                                 f"{torch.cuda.device_count()} visible")
+        for a, script in scripts:
+            if not script.is_file():  # a checkout missing a benchmark: that area failed
+                print(f"  {a}: {script.name} not found in {bench_dir}: FAILED")
+                failed.append(a)
         scripts = [(a, s) for a, s in scripts if s.is_file()]
-        if torch.cuda.device_count() < 2 and any(a == "all2all" for a, _ in scripts):
-            print("  all2all: needs 2 GPUs (bench_all2all.py --world-size 2), skipped")
+        if one_gpu and any(a == "all2all" for a, _ in scripts):
+            print("  all2all: needs 2 GPUs (bench_all2all.py --world-size 2), skipped on this machine")
             scripts = [(a, s) for a, s in scripts if a != "all2all"]
         (bench_dir / "results").mkdir(exist_ok=True)
         for i, (area, script) in enumerate(scripts):
@@ -464,6 +482,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
               "pip install 'vllm-moe-fixes[plot]')")
     else:
         _plot(bench_dir / "results")
+    if failed:
+        print(f"failed: {', '.join(failed)}")
     return 1 if failed else 0
 
 

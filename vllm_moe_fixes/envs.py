@@ -11,8 +11,9 @@ are generated from it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 ALL2ALL_BACKENDS = ("naive", "deepep_high_throughput", "deepep_low_latency")
 
@@ -20,47 +21,54 @@ _TRUE = ("1", "true")
 _FALSE = ("0", "false")
 
 
-def _parse_bool(name: str, raw: str) -> bool:
+# Parsers take the raw text and raise ValueError with only the reason ("is not a boolean");
+# EnvVar.read adds the variable, the value and what is allowed.
+def _parse_bool(raw: str) -> bool:
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name}={raw!r} is not a boolean; allowed: 0, 1, true, false (any case)")
+    raise ValueError("is not a boolean (case is ignored)")
 
 
-def _parse_positive_int(name: str, raw: str) -> int:
+def _parse_positive_int(raw: str) -> int:
     try:
         value = int(raw.strip())
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; allowed: an integer > 0") from None
+        raise ValueError("is not an integer") from None
     if value <= 0:
-        raise ValueError(f"{name}={raw!r} is out of range; allowed: an integer > 0")
+        raise ValueError("is out of range")
     return value
 
 
-def _parse_backend(name: str, raw: str) -> str:
+def _parse_backend(raw: str) -> str:
     value = raw.strip().lower()
     if value not in ALL2ALL_BACKENDS:
-        raise ValueError(f"{name}={raw!r} is not a known backend; allowed: {', '.join(ALL2ALL_BACKENDS)}")
+        raise ValueError("is not a known backend (case is ignored)")
     return value
 
 
 @dataclass(frozen=True)
 class EnvVar:
-    """One environment variable: its name, how it parses, its default and a one-line help text."""
+    """One environment variable: its name, how it parses, its default, a one-line help text and
+    the values it allows (shown in errors, ``check`` and the README's table)."""
 
     name: str
-    parse: Callable[[str, str], Any]
+    parse: Callable[[str], Any]
     default: Any
     help: str
     allowed: str
 
     def read(self) -> Any:
+        """The effective value; ValueError "NAME='raw' <reason>; allowed: ..." when it does not parse."""
         raw = os.environ.get(self.name)
         if raw is None or raw.strip() == "":
             return self.default
-        return self.parse(self.name, raw)
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={raw!r} {e}; allowed: {self.allowed}") from None
 
 
 REGISTRY: dict[str, EnvVar] = {

@@ -22,10 +22,11 @@ of them are simulated (random ids are independent, so a sample is representative
 scaled to the whole group; sampling noise can only add imbalance, so the busiest/mean ratio from a
 sample is a slight over-estimate. All-zero ids are exact at any sample size.
 
-Memory model at a rank (bytes): the MoE weights of its local experts over all MoE layers (FP8 with
-float32 128x128 block scales) + the DeepEP buffers of the backend + one layer's received rows,
-expert workspaces (which hold the experts' output) and result (the modular kernel reuses the
-workspaces across layers).
+Memory model at the busiest rank (the one receiving the most tokens; bytes): the MoE weights of its
+local experts over all MoE layers (FP8 with float32 128x128 block scales) + the DeepEP buffers of
+the backend + one layer's received rows, expert workspaces (``vllm_moe_fixes.sizes``, the shapes
+the experts ask the modular kernel for; they hold the experts' output) and result (the modular
+kernel reuses the workspaces across layers).
 Dense layers, attention, KV cache and shared experts are not counted: it is a lower bound.
 """
 
@@ -42,10 +43,12 @@ from vllm_moe_fixes.config import MoEModelConfig
 from vllm_moe_fixes.distributed.deepep import (
     LL_MAX_RDMA_BYTES,
     LL_SUPPORTED_HIDDEN,
+    check_low_latency_config,
     deepep_ll_rdma_bytes,
     deepep_nvl_bytes,
     deepep_rdma_bytes,
 )
+from vllm_moe_fixes.sizes import batched_workspace_shapes, contiguous_workspace_shapes
 
 SAMPLE_TOKENS = 8192
 # The seed PR's fixed low-latency RDMA buffer.
@@ -54,10 +57,6 @@ INT32_ELEMENTS = 2**31
 DEFAULT_GPU_MEMORY_GIB = 141.0
 INPUTS = ("zero", "random")
 BF16, FP8, F32 = 2, 1, 4
-
-
-def _round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
 
 
 class SimulatedRouter:
@@ -115,19 +114,18 @@ class RankLoads:
 
     slots: int64 [ep], routed (token, expert) pairs landing on each rank's experts.
     tokens: int64 [ep], distinct tokens each rank receives (a token arrives once per rank).
-    simulated_tokens: tokens actually routed (the sample).
     """
 
     slots: np.ndarray
     tokens: np.ndarray
-    simulated_tokens: int
 
 
 def simulate_loads(router: SimulatedRouter, *, ep: int, num_tokens: int, inputs: str,
                    sample_tokens: int = SAMPLE_TOKENS) -> RankLoads:
     """Route ``num_tokens`` dummy tokens ("zero" or "random" ids) and count each EP rank's load.
 
-    Experts are split contiguously: rank r owns experts [r*E/ep, (r+1)*E/ep). Raises ValueError
+    Experts are split contiguously: rank r owns experts [r*E/ep, (r+1)*E/ep). At most
+    ``sample_tokens`` tokens are routed, the counts scaled to ``num_tokens``. Raises ValueError
     when ``ep`` does not divide the expert count or ``inputs`` is unknown.
     """
     cfg = router.cfg
@@ -146,40 +144,35 @@ def simulate_loads(router: SimulatedRouter, *, ep: int, num_tokens: int, inputs:
     np.put_along_axis(hit, rank, True, axis=1)
     scale = num_tokens / sample
     return RankLoads(np.rint(slots * scale).astype(np.int64),
-                     np.rint(hit.sum(0) * scale).astype(np.int64), sample)
+                     np.rint(hit.sum(0) * scale).astype(np.int64))
 
 
-def _layer_tensors(cfg: MoEModelConfig, *, layout: str, tokens: int, local_experts: int,
-                   tokens_per_slice: int, max_tokens: int) -> dict[str, int]:
-    """Element counts of one layer's big tensors at a rank that receives ``tokens`` tokens.
+def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_experts: int,
+           group_tokens: int, max_tokens: int) -> tuple[dict[str, int], dict]:
+    """(bytes of one layer's allocations, the largest kernel tensor) at a rank receiving ``tokens``.
 
-    The shapes are the experts' ``workspace_shapes`` (fused_moe/experts.py, ops/permute.py):
-    standard layout (fused_moe/experts.py, ops/permute.py), M' received rows of k slots each:
-    M_sum = round_up(M'*k + E_l*127, 128), ws13 [M_sum, max(2I, K)], ws2 [M_sum, max(I, K)],
-    unreduced output [M', k, K] (the moe_sum input, a view inside ws13); batched layout
-    (fused_moe/batched_experts.py): T = ep * max_tokens rows per local expert whatever the routing,
-    ws13 [E_l, T, max(2I, K + I)], ws2 [E_l, T, max(I, K)], output [E_l, T, K] inside ws13.
+    Allocations: the received rows (FP8 with float32 1x128 scales), the two bf16 workspaces of
+    ``vllm_moe_fixes.sizes`` (the experts' output lives inside ws13) and the bf16 [max_tokens, K]
+    result. Standard layout: ``tokens`` received rows of k slots, M_sum GEMM rows; batched layout:
+    T = ``group_tokens`` rows per local expert slice whatever the routing.
+
+    The largest tensor a kernel indexes is the GEMM1 output [rows, 2I] or the GEMM2 output / the
+    received activations [rows, K], rows = M_sum or E_l * T: rows * max(2I, K) elements.
     """
     K, I, k, El = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, local_experts
     if layout == "batched":
-        rows = El * tokens_per_slice  # GEMM rows, received rows and output rows alike
-        recv, out, ws13_cols = rows, rows, max(2 * I, K + I)
+        ws13, ws2, _ = batched_workspace_shapes(group_tokens, I, K, El)
+        recv = rows = ws13[0] * ws13[1]  # E_l * T
     else:
-        rows = _round_up(tokens * k + El * 127, 128)  # M_sum
-        recv, out, ws13_cols = tokens, tokens * k, max(2 * I, K)
-    return {"quant_input": max_tokens * K, "recv_x": recv * K, "workspace13": rows * ws13_cols,
-            "workspace2": rows * max(I, K), "requant_input": rows * I, "expert_output": out * K,
-            "layer_output": max_tokens * K}
-
-
-def _layer_bytes(elements: dict[str, int]) -> dict[str, int]:
-    """Bytes allocated for one layer: FP8 received rows with float32 1x128 scales, the two bf16
-    workspaces (the experts' output lives inside ws13) and the bf16 [M, K] result."""
-    recv = elements["recv_x"]
-    return {"recv_x": recv * FP8 + recv // 128 * F32,
-            "workspace13": elements["workspace13"] * BF16,
-            "workspace2": elements["workspace2"] * BF16,
-            "layer_output": elements["layer_output"] * BF16}
+        ws13, ws2, _ = contiguous_workspace_shapes(tokens, I, K, k, El)
+        recv, rows = tokens, ws13[0]  # M_sum
+    layer = {"recv_x": recv * K * FP8 + recv * -(-K // 128) * F32,
+             "workspace13": math.prod(ws13) * BF16,
+             "workspace2": math.prod(ws2) * BF16,
+             "layer_output": max_tokens * K * BF16}
+    largest = {"name": f"GEMM1 output [{rows}, {2 * I}]" if 2 * I >= K else f"GEMM2 output [{rows}, {K}]",
+               "elements": rows * max(2 * I, K)}
+    return layer, largest
 
 
 def _weight_bytes(cfg: MoEModelConfig, local_experts: int) -> int:
@@ -193,6 +186,24 @@ def _hint_or_none(fn, *args):
         return fn(*args)
     except ValueError:
         return None  # DeepEP has no tuned config / cannot serve this rank count
+
+
+def _deepep_cannot_serve(backend: str, max_tokens: int, hidden: int, ep: int, num_experts: int) -> dict:
+    """The flag for a DeepEP backend refusing this configuration, with DeepEP's (the library's
+    own check's) reason: check_low_latency_config for low latency, the tuned normal-mode config
+    behind deepep_nvl_bytes for high throughput."""
+    if ep == 1 or backend == "naive":
+        why = "one rank: no all-to-all" if ep == 1 else "naive backend: torch.distributed all-to-all"
+        return {"raised": False, "detail": f"{backend}: not a DeepEP configuration ({why})"}
+    try:
+        if backend == "deepep_low_latency":
+            check_low_latency_config(max_tokens, hidden, ep, num_experts)
+        else:
+            deepep_nvl_bytes(hidden, ep)
+    except ValueError as e:
+        return {"raised": True, "detail": f"{backend} cannot run this configuration: {e}"}
+    return {"raised": False, "detail": f"{backend} accepts ep={ep}, hidden={hidden}, "
+                                       f"max_tokens={max_tokens}, experts={num_experts}"}
 
 
 def _gib(n: int | None) -> str:
@@ -233,13 +244,15 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
         raise ValueError(f"ep={ep} must divide dp={dp} (an EP group is made of ep of the DP ranks)")
     if not gpu_memory_gib > 0:
         raise ValueError(f"gpu_memory_gib must be > 0, got {gpu_memory_gib!r}")
-    if cfg.num_experts % ep:
-        raise ValueError(f"ep={ep} does not divide {cfg.name}'s {cfg.num_experts} experts")
 
     K, E = cfg.hidden_size, cfg.num_experts
+    group_tokens = ep * max_tokens
+    router = SimulatedRouter(cfg, seed)
+    # simulate_loads raises first when ep does not divide the expert count.
+    sims = {inputs: simulate_loads(router, ep=ep, num_tokens=group_tokens, inputs=inputs)
+            for inputs in INPUTS}
     local_experts = E // ep
     layout = "batched" if backend == "deepep_low_latency" and ep > 1 else "standard"
-    group_tokens = ep * max_tokens
     budget = int(gpu_memory_gib * 2**30)
 
     nvl = envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20
@@ -248,37 +261,29 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
               "ht_rdma_hint_bytes": _hint_or_none(deepep_rdma_bytes, K, ep),
               "ll_rdma_hint_bytes": deepep_ll_rdma_bytes(max_tokens, K, ep, E),
               "seed_fixed_rdma_bytes": SEED_RDMA_BYTES}
-    if ep == 1:
-        buffer_bytes = 0
-    elif backend == "deepep_high_throughput":
+    buffer_bytes = 0  # one rank (no all-to-all) or naive (torch.distributed, no standing buffer)
+    if ep > 1 and backend == "deepep_high_throughput":
         buffer_bytes = nvl + (deepep["ht_rdma_hint_bytes"] or 0)
-    elif backend == "deepep_low_latency":
+    elif ep > 1 and backend == "deepep_low_latency":
         buffer_bytes = deepep["ll_rdma_hint_bytes"]
-    else:
-        buffer_bytes = 0
     weight_bytes = _weight_bytes(cfg, local_experts)
 
-    router = SimulatedRouter(cfg, seed)
     loads = {}
-    for inputs in INPUTS:
-        sim = simulate_loads(router, ep=ep, num_tokens=group_tokens, inputs=inputs)
-        per_rank = [_layer_tensors(cfg, layout=layout, tokens=int(t), local_experts=local_experts,
-                                   tokens_per_slice=group_tokens, max_tokens=max_tokens)
-                    for t in sim.tokens]
-        layer = [_layer_bytes(t) for t in per_rank]
-        worst = max(range(ep), key=lambda r: sum(layer[r].values()))
-        largest = max(per_rank[worst].items(), key=lambda kv: kv[1])
+    for inputs, sim in sims.items():
+        # Memory grows with the tokens received: the busiest rank for memory is the one receiving most.
+        layer, largest = _layer(cfg, layout=layout, tokens=int(sim.tokens.max()),
+                                local_experts=local_experts, group_tokens=group_tokens,
+                                max_tokens=max_tokens)
         busiest = int(np.argmax(sim.slots))
         mean = float(sim.slots.mean())
         loads[inputs] = {
             "busiest_rank": busiest, "busiest_slots": int(sim.slots[busiest]),
             "mean_slots": mean, "imbalance": float(sim.slots[busiest] / mean) if mean else 0.0,
             "busiest_tokens": int(sim.tokens.max()), "slots_per_rank": sim.slots.tolist(),
-            "layer_bytes": layer[worst],
-            "memory_bytes": weight_bytes + buffer_bytes + sum(layer[worst].values()),
-            "largest_tensor": {"name": largest[0], "elements": largest[1]},
+            "layer_bytes": layer,
+            "memory_bytes": weight_bytes + buffer_bytes + sum(layer.values()),
+            "largest_tensor": largest,
         }
-        simulated = sim.simulated_tokens
 
     ll_hint = deepep["ll_rdma_hint_bytes"]
     flags = {}
@@ -310,11 +315,12 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
         "raised": nvl_hint is not None and nvl < nvl_hint,
         "detail": f"VLLM_DEEPEP_BUFFER_SIZE_MB gives {nvl} bytes vs DeepEP's high-throughput hint "
                   f"{nvl_hint if nvl_hint is not None else 'n/a (no tuned config for ' + str(ep) + ' ranks)'}"}
+    flags["deepep_cannot_serve"] = _deepep_cannot_serve(backend, max_tokens, K, ep, E)
 
     return {
         "model": cfg.to_dict(), "dp": dp, "ep": ep, "max_tokens": max_tokens, "backend": backend,
         "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_experts,
-        "group_tokens": group_tokens, "simulated_tokens": simulated, "seed": seed,
+        "group_tokens": group_tokens, "simulated_tokens": min(group_tokens, SAMPLE_TOKENS), "seed": seed,
         "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",
         "loads": loads, "weight_bytes": weight_bytes, "buffer_bytes": buffer_bytes,
         "deepep": deepep, "flags": flags, "elapsed_s": time.perf_counter() - start,
