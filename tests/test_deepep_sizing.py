@@ -7,13 +7,13 @@ import torch.distributed as dist
 from _dist import free_port, run_distributed
 
 from vllm_moe_fixes._compat import deep_ep as compat
-from vllm_moe_fixes.distributed import deepep
-from vllm_moe_fixes.distributed.deepep import (
+from vllm_moe_fixes.distributed import buffers, deepep_sizing
+from vllm_moe_fixes.distributed.buffers import make_all2all_buffer
+from vllm_moe_fixes.distributed.deepep_sizing import (
     check_low_latency_config,
     deepep_ll_rdma_bytes,
     deepep_nvl_bytes,
     deepep_rdma_bytes,
-    make_all2all_buffer,
 )
 from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
 
@@ -37,7 +37,7 @@ def test_normal_mode_hints_pinned():
     assert deepep_nvl_bytes(7168, 2) == (raw + 127) // 128 * 128 == 83_927_552
     assert deepep_rdma_bytes(7168, 2) == deepep_rdma_bytes(7168, 8) == 0
     # 16 ranks: two RDMA nodes; dispatch's rdma chunk 128 rounds up to 140 (multiple of 20).
-    cfg = deepep.get_dispatch_config(16)
+    cfg = deepep_sizing.get_dispatch_config(16)
     assert cfg.num_max_rdma_chunked_recv_tokens == 140
     slots = 10 * 2
     raw = slots * 18 * 2 * 4 + slots * 140 * (14336 + 8 + 1024 + 512 + 512 + 16) * 2
@@ -48,8 +48,8 @@ def test_normal_mode_hints_pinned():
     with pytest.raises(ValueError, match="multiple of 8"):
         cfg.get_nvl_buffer_size_hint(14336, 12)
     with pytest.raises(ValueError, match="tuned"):
-        deepep.get_dispatch_config(6)
-    assert deepep.get_combine_config(96).num_max_nvl_chunked_recv_tokens == 480
+        deepep_sizing.get_dispatch_config(6)
+    assert deepep_sizing.get_combine_config(96).num_max_nvl_chunked_recv_tokens == 480
 
 
 def test_low_latency_refusals():
@@ -70,9 +70,9 @@ def test_low_latency_refusals():
 @pytest.fixture
 def gloo_world1():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    deepep._BUFFERS.clear()
+    buffers._BUFFERS.clear()
     yield dist.group.WORLD
-    deepep._BUFFERS.clear()
+    buffers._BUFFERS.clear()
     dist.destroy_process_group()
 
 

@@ -14,7 +14,7 @@ from _dist import device_for, run_distributed
 from test_torch_buffer import make_problem
 
 from vllm_moe_fixes._compat import deep_gemm as deep_gemm_compat
-from vllm_moe_fixes.distributed.deepep import make_all2all_buffer
+from vllm_moe_fixes.distributed.buffers import make_all2all_buffer
 from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
 from vllm_moe_fixes.fused_moe.batched_experts import (
     BatchedDeepGemmExperts,
@@ -25,9 +25,9 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
 )
-from vllm_moe_fixes.fused_moe.experts import TritonExperts
+from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
-from vllm_moe_fixes.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import moe_reference
 from vllm_moe_fixes.ops.reference import rel_err
 

@@ -13,14 +13,14 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as compat
 from vllm_moe_fixes.fused_moe import batched_experts as batched_mod
-from vllm_moe_fixes.fused_moe import experts as experts_mod
+from vllm_moe_fixes.fused_moe import contiguous_experts as experts_mod
 from vllm_moe_fixes.fused_moe.batched_experts import (
     BatchedDeepGemmExperts,
     BatchedTritonExperts,
     quant_batched_fp8,
     select_batched_experts,
 )
-from vllm_moe_fixes.fused_moe.experts import (
+from vllm_moe_fixes.fused_moe.contiguous_experts import (
     DeepGemmExperts,
     TritonExperts,
     select_experts,
@@ -30,7 +30,7 @@ from vllm_moe_fixes.fused_moe.modular_kernel import (
     Experts,
     FusedMoEModularKernel,
 )
-from vllm_moe_fixes.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
 from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_ref,

@@ -179,7 +179,7 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
     """Build and run the layer for one rank; returns its measurements (and the check)."""
     import torch
 
-    from vllm_moe_fixes.fused_moe.experts import select_experts
+    from vllm_moe_fixes.fused_moe.contiguous_experts import select_experts
     from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
     from vllm_moe_fixes.fused_moe.routing import moe_reference
     from vllm_moe_fixes.ops.reference import calc_diff
@@ -195,7 +195,7 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
     w1q, w1s, w2q, w2s = (t[local].contiguous() for t in (gw1q, gw1s, gw2q, gw2s))
     expert_map = None
     if world_size == 1:
-        from vllm_moe_fixes.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
+        from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
         pf, experts, backend = NoEPPrepareAndFinalize(), select_experts(args.intermediate, args.hidden), "none"
     else:
         pf, experts, backend = _ep_components(args, rank, world_size, E_l)
@@ -231,13 +231,13 @@ def _ep_components(args: argparse.Namespace, rank: int, world_size: int, local_e
     """(prepare_finalize, experts, description) of the EP path: the backend's all-to-all buffer,
     high-throughput (standard layout) or low-latency (batched layout) prepare/finalize, and the
     experts VLLM_USE_DEEP_GEMM selects."""
-    from vllm_moe_fixes.distributed.deepep import make_all2all_buffer
+    from vllm_moe_fixes.distributed.buffers import make_all2all_buffer
     from vllm_moe_fixes.fused_moe.batched_experts import select_batched_experts
     from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
         DeepEPHTPrepareAndFinalize,
         DeepEPLLPrepareAndFinalize,
     )
-    from vllm_moe_fixes.fused_moe.experts import select_experts
+    from vllm_moe_fixes.fused_moe.contiguous_experts import select_experts
 
     backend = _demo_backend(args)
     low_latency = _demo_low_latency(args)
@@ -278,7 +278,7 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
     """Raise UsageError (exit 2, nothing started) for bad arguments, bad environment values, and
     backends or sizes that cannot run here."""
     from vllm_moe_fixes._compat import deep_ep, deep_gemm
-    from vllm_moe_fixes.distributed.deepep import (
+    from vllm_moe_fixes.distributed.deepep_sizing import (
         check_low_latency_config,
         deepep_nvl_bytes,
     )

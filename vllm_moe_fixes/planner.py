@@ -40,7 +40,7 @@ import numpy as np
 
 from vllm_moe_fixes import envs
 from vllm_moe_fixes.config import MoEModelConfig
-from vllm_moe_fixes.distributed.deepep import (
+from vllm_moe_fixes.distributed.deepep_sizing import (
     LL_MAX_RDMA_BYTES,
     LL_SUPPORTED_HIDDEN,
     check_low_latency_config,

@@ -5,11 +5,11 @@ is imported on first use. ``vllm_moe_fixes.distributed.launch`` (free_port, run_
 function on fresh local gloo/NCCL ranks) imports torch and is not imported here.
 """
 
-from vllm_moe_fixes.distributed.deepep import (
+from vllm_moe_fixes.distributed.buffers import make_all2all_buffer
+from vllm_moe_fixes.distributed.deepep_sizing import (
     deepep_ll_rdma_bytes,
     deepep_nvl_bytes,
     deepep_rdma_bytes,
-    make_all2all_buffer,
 )
 
 __all__ = ["TorchAll2AllBuffer", "deepep_ll_rdma_bytes", "deepep_nvl_bytes", "deepep_rdma_bytes",

@@ -26,8 +26,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from vllm_moe_fixes.distributed import deepep as sizing
-from vllm_moe_fixes.ops.reference import FP8_MAX
+from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes.distributed import deepep_sizing as sizing
+from vllm_moe_fixes.ops.fp8 import FP8_MAX
 
 # DeepEP's low-latency cast floors amax at this margin, so an all-zero group gets a finite scale.
 LL_AMAX_FLOOR = 1e-4
@@ -80,7 +81,7 @@ class TorchAll2AllBuffer:
         if low_latency_mode:
             for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                                 ("hidden", hidden), ("num_experts", num_experts)):
-                sizing.check_positive_int(name, value)  # low_latency_mode needs all three
+                check_positive_int(name, value)  # low_latency_mode needs all three
             self.num_rdma_bytes = sizing.deepep_ll_rdma_bytes(
                 num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
         self.ll_sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -231,7 +232,7 @@ class TorchAll2AllBuffer:
             raise ValueError(f"is_token_in_rank must be bool [{t}, {r}]; got {is_token_in_rank.dtype} "
                              f"{list(is_token_in_rank.shape)}")
         num_experts = num_tokens_per_expert.numel()
-        e_local = sizing.check_experts_per_rank(num_experts, r)
+        e_local = check_experts_per_rank(num_experts, r)
         if tuple(num_tokens_per_rank.shape) != (r,):
             raise ValueError(f"num_tokens_per_rank must be [{r}]; got {list(num_tokens_per_rank.shape)}")
         if topk_idx is not None:
@@ -461,7 +462,7 @@ class TorchAll2AllBuffer:
         read (aminmax), skipped when this very tensor, unmodified, was checked last."""
         if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
             raise ValueError(f"topk_idx must be int64 [T, k]; got {topk_idx.dtype} {list(topk_idx.shape)}")
-        e_local = sizing.check_experts_per_rank(num_experts, self.group_size)
+        e_local = check_experts_per_rank(num_experts, self.group_size)
         last = self._checked_topk
         if last is not None and last[0]() is topk_idx and last[1:] == (topk_idx._version, num_experts):
             return e_local

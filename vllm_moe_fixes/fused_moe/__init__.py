@@ -9,7 +9,7 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
 )
-from vllm_moe_fixes.fused_moe.experts import DeepGemmExperts, TritonExperts, select_experts
+from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts, select_experts
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
     Experts,
@@ -18,7 +18,7 @@ from vllm_moe_fixes.fused_moe.modular_kernel import (
     PrepareResult,
     Workspaces,
 )
-from vllm_moe_fixes.fused_moe.prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference
 
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_moe_fixes.distributed.deepep import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.fused_moe.batched_experts import quant_batched_fp8
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     BLOCK,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moe_fixes.ops.permute import _check
+from vllm_moe_fixes._validate import check as _check
 
 FP8_DTYPE = torch.float8_e4m3fn
 BLOCK = 128  # scale block of weights (128x128) and activations (1x128)

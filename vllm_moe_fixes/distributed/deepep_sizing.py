@@ -1,24 +1,16 @@
-"""DeepEP buffer sizing, in pure Python, and construction of the all-to-all buffer for a backend.
+"""DeepEP buffer sizing and the configurations DeepEP can serve, in pure Python (no torch).
 
 The sizing functions reproduce DeepEP v1.2.1's own arithmetic (``csrc/config.hpp`` and the tuned
 ``Config`` tables of ``deep_ep/buffer.py``) so that a planner can size buffers without a GPU or
 DeepEP; ``tests/test_deepep_sizing.py`` pins known values and, where DeepEP imports, compares with
 DeepEP's hints.
-
-``make_all2all_buffer`` builds (once per group and sizes) the buffer the configured backend needs:
-``TorchAll2AllBuffer`` for ``naive``, ``deep_ep.Buffer`` sized from these hints for the two DeepEP
-modes. Configurations DeepEP cannot serve are refused before any allocation, with the numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from vllm_moe_fixes import envs
-
-if TYPE_CHECKING:  # torch is imported where a buffer is built: planning needs only the sizing
-    import torch.distributed as dist
+from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
 
 # Ranks one NVLink domain holds in DeepEP's normal mode; more ranks are split into RDMA "nodes".
 NUM_MAX_NVL_PEERS = 8
@@ -36,21 +28,6 @@ DEFAULT_NUM_SMS = 20
 
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
-
-
-def check_positive_int(name: str, value) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int >= 1 (the one count check of the EP paths)."""
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-
-
-def check_experts_per_rank(num_experts: int, num_ranks: int) -> int:
-    """Return E_local = num_experts // num_ranks; raise ``ValueError`` unless num_experts is a
-    positive multiple of num_ranks (DeepEP places expert g on rank g // E_local)."""
-    if num_experts < 1 or num_experts % num_ranks:
-        raise ValueError(f"num_experts={num_experts} is not divisible by the number of ranks {num_ranks} "
-                         "(num_experts must be a positive multiple of the rank count)")
-    return num_experts // num_ranks
 
 
 @dataclass(frozen=True)
@@ -72,7 +49,7 @@ class Config:
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """NVLink buffer bytes DeepEP wants for rows of ``hidden_bytes`` over ``num_ranks`` ranks."""
-        _check_normal_ranks(num_ranks)
+        check_normal_ranks(num_ranks)
         rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
         nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
         slots = (self.num_sms // 2) * nvl_ranks  # channels x peers
@@ -85,7 +62,7 @@ class Config:
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """RDMA buffer bytes of normal mode: 0 within one NVLink domain (<= 8 ranks)."""
-        _check_normal_ranks(num_ranks)
+        check_normal_ranks(num_ranks)
         if num_ranks <= NUM_MAX_NVL_PEERS:
             return 0
         slots = (self.num_sms // 2) * (num_ranks // NUM_MAX_NVL_PEERS)  # channels x RDMA ranks
@@ -124,7 +101,7 @@ def get_combine_config(num_ranks: int, num_sms: int = DEFAULT_NUM_SMS) -> Config
     return _config(_COMBINE_CHUNKS, num_ranks, num_sms)
 
 
-def _check_normal_ranks(num_ranks: int) -> None:
+def check_normal_ranks(num_ranks: int) -> None:
     if num_ranks < 1 or (num_ranks > NUM_MAX_NVL_PEERS and num_ranks % NUM_MAX_NVL_PEERS):
         raise ValueError(f"num_ranks={num_ranks}: DeepEP needs fewer than {NUM_MAX_NVL_PEERS} ranks "
                          f"or a multiple of {NUM_MAX_NVL_PEERS}")
@@ -194,78 +171,3 @@ def check_low_latency_config(num_max_dispatch_tokens_per_rank: int, hidden: int,
             f"so at most {LL_MAX_RDMA_BYTES} bytes (hint/16 = {need // 16} >= 2**31): lower "
             "VLLM_MOE_DP_CHUNK_SIZE or the expert count per group")
     return need
-
-
-_BUFFERS: dict[tuple, Any] = {}
-
-
-def _group_size(group) -> int:
-    import torch.distributed as dist
-    return dist.get_world_size(group)
-
-
-def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
-                        max_tokens_per_rank: int, hidden: int, num_experts: int):
-    """Return the all-to-all buffer for ``backend``, built once per (group, backend, sizes).
-
-    Arguments:
-        backend: ``"naive"``, ``"deepep_high_throughput"`` or ``"deepep_low_latency"``; None reads
-            ``VLLM_ALL2ALL_BACKEND``.
-        group: the expert-parallel process group (None: the default group).
-        max_tokens_per_rank: most tokens one rank dispatches per call (sizes the low-latency buffer).
-        hidden: hidden size H.
-        num_experts: global expert count E.
-
-    Returns:
-        naive: ``TorchAll2AllBuffer`` (serves both normal and low-latency calls);
-        deepep_high_throughput: ``deep_ep.Buffer(num_nvl_bytes=VLLM_DEEPEP_BUFFER_SIZE_MB MiB,
-        num_rdma_bytes=0 up to 8 ranks, else DeepEP's RDMA hint)``;
-        deepep_low_latency: ``deep_ep.Buffer(low_latency_mode=True, num_rdma_bytes=the hint for
-        (max_tokens_per_rank, hidden, ranks, num_experts), num_qps_per_rank=num_experts // ranks)``.
-
-    Raises ``ValueError`` for an unknown backend or a configuration the backend cannot serve, and
-    ``ImportError`` (naming VLLM_ALL2ALL_BACKEND and DeepEP) when a DeepEP backend lacks deep_ep.
-    """
-    if backend is None:
-        backend = envs.VLLM_ALL2ALL_BACKEND
-    if backend not in envs.ALL2ALL_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known; allowed: {', '.join(envs.ALL2ALL_BACKENDS)}")
-    for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
-                        ("num_experts", num_experts)):
-        check_positive_int(name, value)
-    num_ranks = _group_size(group)
-    check_experts_per_rank(num_experts, num_ranks)
-
-    if backend == "naive":
-        kwargs = dict(low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens_per_rank,
-                      hidden=hidden, num_experts=num_experts)
-    elif backend == "deepep_high_throughput":
-        _check_normal_ranks(num_ranks)
-        if (hidden * 2) % 16:
-            raise ValueError(f"hidden={hidden}: DeepEP needs rows of a multiple of 16 bytes (hidden % 8 == 0)")
-        nvl = envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20
-        need = deepep_nvl_bytes(hidden, num_ranks)
-        if nvl < need:
-            raise ValueError(f"VLLM_DEEPEP_BUFFER_SIZE_MB={envs.VLLM_DEEPEP_BUFFER_SIZE_MB} gives {nvl} "
-                             f"NVLink bytes; DeepEP needs {need} for hidden={hidden} on {num_ranks} ranks")
-        kwargs = dict(num_nvl_bytes=nvl, num_rdma_bytes=deepep_rdma_bytes(hidden, num_ranks))
-    else:
-        rdma = check_low_latency_config(max_tokens_per_rank, hidden, num_ranks, num_experts)
-        kwargs = dict(num_nvl_bytes=0, num_rdma_bytes=rdma, low_latency_mode=True,
-                      num_qps_per_rank=num_experts // num_ranks)
-
-    key = (group, backend, tuple(sorted(kwargs.items())))
-    buffer = _BUFFERS.get(key)
-    if buffer is None:
-        if backend == "naive":
-            from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
-            buffer = TorchAll2AllBuffer(group, **kwargs)
-        else:
-            from vllm_moe_fixes._compat.deep_ep import require
-            deep_ep = require(backend)
-            if group is None:
-                import torch.distributed as dist
-                group = dist.group.WORLD
-            buffer = deep_ep.Buffer(group=group, **kwargs)
-        _BUFFERS[key] = buffer
-    return buffer

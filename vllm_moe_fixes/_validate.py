@@ -1,0 +1,28 @@
+"""Argument checks shared by the public edges of ops, fused_moe and distributed.
+
+Each raises ValueError with a message that names the argument and the rule; none imports torch,
+so the planner (pure Python) uses them too.
+"""
+
+from __future__ import annotations
+
+
+def check(cond: bool, msg: str) -> None:
+    """Raise ValueError(msg) unless cond holds."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_positive_int(name: str, value) -> None:
+    """Raise ValueError unless `value` is an int >= 1 (bool is refused: True is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def check_experts_per_rank(num_experts: int, num_ranks: int) -> int:
+    """Return E_local = num_experts // num_ranks; raise ValueError unless num_experts is a
+    positive multiple of num_ranks (expert g lives on rank g // E_local)."""
+    if num_experts < 1 or num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the number of ranks "
+                         f"{num_ranks} (num_experts must be a positive multiple of the rank count)")
+    return num_experts // num_ranks

@@ -1,0 +1,96 @@
+"""Construction of the all-to-all buffer a backend needs, once per group and sizes.
+
+``make_all2all_buffer`` returns ``TorchAll2AllBuffer`` for ``naive`` and a ``deep_ep.Buffer`` sized
+from DeepEP's own hints (``deepep_sizing``) for the two DeepEP modes. Configurations DeepEP cannot
+serve are refused before any allocation, with the numbers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_moe_fixes import envs
+from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes.distributed.deepep_sizing import (
+    check_low_latency_config,
+    check_normal_ranks,
+    deepep_nvl_bytes,
+    deepep_rdma_bytes,
+)
+
+if TYPE_CHECKING:  # torch is imported where a buffer is built: planning needs only the sizing
+    import torch.distributed as dist
+
+_BUFFERS: dict[tuple, Any] = {}
+
+
+def _group_size(group) -> int:
+    import torch.distributed as dist
+    return dist.get_world_size(group)
+
+
+def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
+                        max_tokens_per_rank: int, hidden: int, num_experts: int):
+    """Return the all-to-all buffer for ``backend``, built once per (group, backend, sizes).
+
+    Arguments:
+        backend: ``"naive"``, ``"deepep_high_throughput"`` or ``"deepep_low_latency"``; None reads
+            ``VLLM_ALL2ALL_BACKEND``.
+        group: the expert-parallel process group (None: the default group).
+        max_tokens_per_rank: most tokens one rank dispatches per call (sizes the low-latency buffer).
+        hidden: hidden size H.
+        num_experts: global expert count E.
+
+    Returns:
+        naive: ``TorchAll2AllBuffer`` (serves both normal and low-latency calls);
+        deepep_high_throughput: ``deep_ep.Buffer(num_nvl_bytes=VLLM_DEEPEP_BUFFER_SIZE_MB MiB,
+        num_rdma_bytes=0 up to 8 ranks, else DeepEP's RDMA hint)``;
+        deepep_low_latency: ``deep_ep.Buffer(low_latency_mode=True, num_rdma_bytes=the hint for
+        (max_tokens_per_rank, hidden, ranks, num_experts), num_qps_per_rank=num_experts // ranks)``.
+
+    Raises ``ValueError`` for an unknown backend or a configuration the backend cannot serve, and
+    ``ImportError`` (naming VLLM_ALL2ALL_BACKEND and DeepEP) when a DeepEP backend lacks deep_ep.
+    """
+    if backend is None:
+        backend = envs.VLLM_ALL2ALL_BACKEND
+    if backend not in envs.ALL2ALL_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not known; allowed: {', '.join(envs.ALL2ALL_BACKENDS)}")
+    for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
+                        ("num_experts", num_experts)):
+        check_positive_int(name, value)
+    num_ranks = _group_size(group)
+    check_experts_per_rank(num_experts, num_ranks)
+
+    if backend == "naive":
+        kwargs = dict(low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens_per_rank,
+                      hidden=hidden, num_experts=num_experts)
+    elif backend == "deepep_high_throughput":
+        check_normal_ranks(num_ranks)
+        if (hidden * 2) % 16:
+            raise ValueError(f"hidden={hidden}: DeepEP needs rows of a multiple of 16 bytes (hidden % 8 == 0)")
+        nvl = envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20
+        need = deepep_nvl_bytes(hidden, num_ranks)
+        if nvl < need:
+            raise ValueError(f"VLLM_DEEPEP_BUFFER_SIZE_MB={envs.VLLM_DEEPEP_BUFFER_SIZE_MB} gives {nvl} "
+                             f"NVLink bytes; DeepEP needs {need} for hidden={hidden} on {num_ranks} ranks")
+        kwargs = dict(num_nvl_bytes=nvl, num_rdma_bytes=deepep_rdma_bytes(hidden, num_ranks))
+    else:
+        rdma = check_low_latency_config(max_tokens_per_rank, hidden, num_ranks, num_experts)
+        kwargs = dict(num_nvl_bytes=0, num_rdma_bytes=rdma, low_latency_mode=True,
+                      num_qps_per_rank=num_experts // num_ranks)
+
+    key = (group, backend, tuple(sorted(kwargs.items())))
+    buffer = _BUFFERS.get(key)
+    if buffer is None:
+        if backend == "naive":
+            from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
+            buffer = TorchAll2AllBuffer(group, **kwargs)
+        else:
+            from vllm_moe_fixes._compat.deep_ep import require
+            deep_ep = require(backend)
+            if group is None:
+                import torch.distributed as dist
+                group = dist.group.WORLD
+            buffer = deep_ep.Buffer(group=group, **kwargs)
+        _BUFFERS[key] = buffer
+    return buffer
