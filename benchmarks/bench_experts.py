@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import bench_us, graph_us, host_us, print_table, write_json  # noqa: E402
 from vllm_moe_fixes._compat import deep_gemm as dg  # noqa: E402
-from vllm_moe_fixes.fused_moe.experts import DeepGemmExperts, TritonExperts  # noqa: E402
+from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts  # noqa: E402
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel  # noqa: E402
-from vllm_moe_fixes.fused_moe.prepare_finalize import NoEPPrepareAndFinalize  # noqa: E402
+from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize  # noqa: E402
 from vllm_moe_fixes.fused_moe.routing import fused_topk, quant_block_fp8  # noqa: E402
 from vllm_moe_fixes.ops.activation import silu_and_mul  # noqa: E402
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8  # noqa: E402

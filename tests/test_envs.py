@@ -8,6 +8,8 @@ DEFAULTS = {
     "VLLM_RANDOMIZE_DP_DUMMY_INPUTS": False,
     "VLLM_MOE_DP_CHUNK_SIZE": 256,
     "VLLM_DEEPEP_BUFFER_SIZE_MB": 1024,
+    "VLLM_FUSED_MOE_CHUNK_SIZE": 16384,
+    "VLLM_MOE_CHECK_IDS": False,
 }
 
 
@@ -56,16 +58,19 @@ def test_backend_values(monkeypatch, raw):
     assert envs.VLLM_ALL2ALL_BACKEND == raw.lower()
 
 
-@pytest.mark.parametrize("name", ["VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB"])
+@pytest.mark.parametrize("name", ["VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB",
+                                  "VLLM_FUSED_MOE_CHUNK_SIZE"])
 def test_positive_ints(monkeypatch, name):
     monkeypatch.setenv(name, "512")
     assert getattr(envs, name) == 512
 
 
 BAD_VALUES = (
-    [(name, raw) for name in ("VLLM_USE_DEEP_GEMM", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS")
+    [(name, raw) for name in ("VLLM_USE_DEEP_GEMM", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS",
+                              "VLLM_MOE_CHECK_IDS")
      for raw in ("2", "yes", "on", "-1", "tru")]
-    + [(name, raw) for name in ("VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB")
+    + [(name, raw) for name in ("VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB",
+                                "VLLM_FUSED_MOE_CHUNK_SIZE")
        for raw in ("0", "-4", "1.5", "abc", "1e3")]
     + [("VLLM_ALL2ALL_BACKEND", "pplx")])
 
@@ -81,6 +86,7 @@ def test_bad_value_names_variable_value_and_allowed(monkeypatch, name, raw):
     # The allowed values of each kind, spelled out.
     assert {"VLLM_USE_DEEP_GEMM": "true, false", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS": "true, false",
             "VLLM_MOE_DP_CHUNK_SIZE": "integer > 0", "VLLM_DEEPEP_BUFFER_SIZE_MB": "integer > 0",
+            "VLLM_FUSED_MOE_CHUNK_SIZE": "integer > 0", "VLLM_MOE_CHECK_IDS": "true, false",
             "VLLM_ALL2ALL_BACKEND": "naive, deepep_high_throughput, deepep_low_latency"}[name] in message
 
 

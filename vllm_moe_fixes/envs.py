@@ -89,6 +89,14 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar("VLLM_DEEPEP_BUFFER_SIZE_MB", _parse_positive_int, 1024,
                "DeepEP NVLink buffer size in MiB (high-throughput mode)",
                "integer > 0"),
+        EnvVar("VLLM_FUSED_MOE_CHUNK_SIZE", _parse_positive_int, 16384,
+               "max tokens one pass of the experts takes; larger calls loop over chunks (bounds "
+               "workspace memory)",
+               "integer > 0"),
+        EnvVar("VLLM_MOE_CHECK_IDS", _parse_bool, False,
+               "check topk_ids / expert_map ranges of CUDA inputs at the layer's edge (one host "
+               "sync per call; CPU inputs are always checked)",
+               "0, 1, true, false"),
     )
 }
 
