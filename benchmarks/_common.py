@@ -1,5 +1,5 @@
-"""Shared helpers for the scripts in benchmarks/ (run them from the repo root, e.g.
-`python benchmarks/bench_quant.py`; each script puts the repo root on sys.path itself).
+"""Shared helpers of the benchmarks (modules run from the repo root, e.g.
+`python -m benchmarks.bench_quant`; import these as `from benchmarks._common import ...`).
 
 API (keep it small):
     bench_us(fn, arg_sets, warmup=25, rep=100) -> float

@@ -2,8 +2,8 @@
 
 Run from the repository root on a GPU:
 
-    python benchmarks/bench_grouped_gemm.py          # table, benchmarks/results/grouped_gemm.json
-    python benchmarks/bench_grouped_gemm.py --sweep  # also TFLOP/s of every SWEEP config per shape
+    python -m benchmarks.bench_grouped_gemm          # table, benchmarks/results/grouped_gemm.json
+    python -m benchmarks.bench_grouped_gemm --sweep  # also TFLOP/s of every SWEEP config per shape
 
 TFLOP/s count useful rows only: 2 * groups * rows * N * K. Anchors measured in the same run:
 DeepGEMM when it imports (through vllm_moe_fixes._compat.deep_gemm), torch._scaled_mm FP8 dense
@@ -15,21 +15,18 @@ ceiling rather than a like-for-like), and a bf16 torch.matmul. figures.md's Deep
 import argparse
 import math
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from benchmarks._common import bench_us, print_table, write_json  # noqa: E402
-from vllm_moe_fixes._compat import deep_gemm as dg  # noqa: E402
-from vllm_moe_fixes.ops.grouped_gemm import (  # noqa: E402
+from benchmarks._common import bench_us, print_table, write_json
+from vllm_moe_fixes._compat import deep_gemm as dg
+from vllm_moe_fixes.ops.grouped_gemm import (
     default_config,
     grouped_fp8_gemm_contiguous_triton,
     grouped_fp8_gemm_masked_triton,
 )
-from vllm_moe_fixes.ops.reference import calc_diff  # noqa: E402
+from vllm_moe_fixes.ops.reference import calc_diff
 
 FP8 = torch.float8_e4m3fn
 # (groups, rows per group, N, K) -> DeepGEMM v2.6.1 TFLOP/s from figures.md / contracts/deep_gemm.md

@@ -1,6 +1,6 @@
 """Benchmark moe_sum ([M, 8, 7168] bf16 -> [M, 7168], float32 accumulation) on the GPU.
 
-Run from the repo root:  python benchmarks/bench_moe_sum.py [--sweep]
+Run from the repo root:  python -m benchmarks.bench_moe_sum [--sweep]
 
 For each M in 256, 4096, 16384 it times, in the same run:
   us / GB/s              the public op, eager (do_bench; includes host time when the host is
@@ -22,16 +22,12 @@ writes benchmarks/results/bench_moe_sum_sweep.json.
 import argparse
 import functools
 import itertools
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import triton
+import triton.language as tl
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from benchmarks._common import (  # noqa: E402
+from benchmarks._common import (
     bench_us,
     copy_us,
     gbps,
@@ -42,7 +38,7 @@ from benchmarks._common import (  # noqa: E402
     rotating,
     write_json,
 )
-from vllm_moe_fixes.ops.moe_sum import default_moe_sum_config, moe_sum, moe_sum_triton  # noqa: E402
+from vllm_moe_fixes.ops.moe_sum import default_moe_sum_config, moe_sum, moe_sum_triton
 
 TOPK, K = 8, 7168
 MS = (256, 4096, 16384)
