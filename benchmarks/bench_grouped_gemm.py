@@ -8,8 +8,8 @@ Run from the repository root on a GPU:
 TFLOP/s count useful rows only: 2 * groups * rows * N * K. Anchors measured in the same run:
 DeepGEMM when it imports (through vllm_moe_fixes._compat.deep_gemm), torch._scaled_mm FP8 dense
 of the same total M x N x K (tensorwise scales: less work than block scaling, so a hardware
-ceiling rather than a like-for-like), and a bf16 torch.matmul. figures.md's DeepGEMM numbers
-(v2.6.1 on this workplace's H200) are printed beside them.
+ceiling rather than a like-for-like), and a bf16 torch.matmul. DeepGEMM v2.6.1's TFLOP/s on an
+H200 (SHAPES) are printed beside them, for machines without DeepGEMM.
 """
 
 import argparse
@@ -21,6 +21,7 @@ import triton
 
 from benchmarks._common import bench_us, print_table, write_json
 from vllm_moe_fixes._compat import deep_gemm as dg
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.grouped_gemm import (
     default_config,
     grouped_fp8_gemm_contiguous_triton,
@@ -28,8 +29,8 @@ from vllm_moe_fixes.ops.grouped_gemm import (
 )
 from vllm_moe_fixes.ops.reference import calc_diff
 
-FP8 = torch.float8_e4m3fn
-# (groups, rows per group, N, K) -> DeepGEMM v2.6.1 TFLOP/s from figures.md / contracts/deep_gemm.md
+# (groups, rows per group, N, K) -> DeepGEMM v2.6.1's TFLOP/s on an H200 (its grouped contiguous
+# GEMM, same shapes).
 SHAPES = {
     (4, 8192, 4096, 7168): 1225,
     (4, 8192, 7168, 2048): 1134,
@@ -72,11 +73,11 @@ def config_name(cfg: dict) -> str:
 def make_inputs(groups, rows, N, K):
     """Random FP8 operands: contiguous rows [groups*rows, K] with MN-major TMA-aligned scales."""
     M = groups * rows
-    a_q = (torch.randn(M, K, device="cuda") * 0.5).to(FP8)
-    a_s = torch.empty(K // 128, -(-M // 4) * 4, device="cuda")[:, :M].t()
-    a_s.copy_(torch.rand(M, K // 128, device="cuda") * 0.01 + 0.001)
-    w_q = (torch.randn(groups, N, K, device="cuda") * 0.5).to(FP8)
-    w_s = torch.rand(groups, N // 128, K // 128, device="cuda") * 0.01 + 0.001
+    a_q = (torch.randn(M, K, device="cuda") * 0.5).to(FP8_DTYPE)
+    a_s = empty_mn_major_scales((M, K // SCALE_BLOCK), "cuda")
+    a_s.copy_(torch.rand(M, K // SCALE_BLOCK, device="cuda") * 0.01 + 0.001)
+    w_q = (torch.randn(groups, N, K, device="cuda") * 0.5).to(FP8_DTYPE)
+    w_s = torch.rand(groups, N // SCALE_BLOCK, K // SCALE_BLOCK, device="cuda") * 0.01 + 0.001
     m_idx = torch.arange(groups, device="cuda", dtype=torch.int32).repeat_interleave(rows)
     return (a_q, a_s), (w_q, w_s), m_idx
 
@@ -85,8 +86,8 @@ def masked_view(a, groups, rows):
     """Masked-layout view of the same rows: a_q [E, T, K], scales MN-major per expert."""
     a_q, a_s = a
     K = a_q.shape[1]
-    s = torch.empty(groups, K // 128, rows, device="cuda").transpose(1, 2)
-    s.copy_(a_s.reshape(groups, rows, K // 128))
+    s = empty_mn_major_scales((groups, rows, K // SCALE_BLOCK), "cuda")
+    s.copy_(a_s.reshape(groups, rows, K // SCALE_BLOCK))
     return a_q.view(groups, rows, K), s
 
 
@@ -173,7 +174,7 @@ def print_results(records):
         rows.append({
             "groups x rows": f"{r['groups']} x {r['rows']}", "N": r["N"], "K": r["K"],
             "triton": t, "masked": r["triton_masked_tflops"], "DeepGEMM": _dash(d),
-            "ratio": _dash(d and t / d), "fig.md": fig, "fig ratio": t / fig,
+            "ratio": _dash(d and t / d), "DG v2.6.1": fig, "v2.6.1 ratio": t / fig,
             "DG masked": _dash(r["deepgemm_masked_tflops"]), "_scaled_mm": r["scaled_mm_tflops"],
             "bf16": r["bf16_tflops"],
             "diff vs DG": _dash(r["diff_vs_deepgemm"] and f"{r['diff_vs_deepgemm']:.1e}"),
@@ -182,8 +183,8 @@ def print_results(records):
           f"{triton.__version__}, torch {torch.__version__}, DeepGEMM "
           f"{'present' if dg.is_available() else 'absent'})")
     print_table(rows, list(rows[0]))
-    print("ratio = Triton / DeepGEMM (same run, target >= 0.70); fig ratio = Triton / "
-          "figures.md's DeepGEMM v2.6.1 figure; _scaled_mm is tensorwise FP8 (a ceiling).")
+    print("ratio = Triton / DeepGEMM (same run, target >= 0.70); v2.6.1 ratio = Triton / "
+          "DeepGEMM v2.6.1's TFLOP/s on an H200; _scaled_mm is tensorwise FP8 (a ceiling).")
 
 
 def print_sweep(records):

@@ -18,25 +18,25 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_masked_ref,
     grouped_fp8_gemm_masked_triton,
 )
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.reference import calc_diff, quant_block_fp8
-
-FP8 = torch.float8_e4m3fn
+from vllm_moe_fixes.sizes import ALIGNMENT
 
 
 # ---------------------------------------------------------------- helpers written for the tests
 def quant_rows(x):
     """Per-token 1x128 quantisation as DeepGEMM's tests do it: x [..., K] -> (fp8, [..., K/128])."""
-    g = x.float().unflatten(-1, (-1, 128))
+    g = x.float().unflatten(-1, (-1, SCALE_BLOCK))
     amax = g.abs().amax(-1).clamp(min=1e-4)
-    q = (g * (448.0 / amax)[..., None]).to(FP8).flatten(-2)
-    return q, amax / 448.0
+    q = (g * (FP8_MAX / amax)[..., None]).to(FP8_DTYPE).flatten(-2)
+    return q, amax / FP8_MAX
 
 
 def mn_major(s):
-    """Copy scales [..., M, G] into the MN-major layout with the M stride padded to 4."""
-    *lead, M, G = s.shape
-    buf = torch.full((*lead, G, -(-M // 4) * 4), float("nan"), device=s.device)
-    view = buf[..., :M].transpose(-1, -2)
+    """Copy scales [..., M, G] into the MN-major layout with the M stride padded to 4; the
+    padding rows hold NaN (0xFF bytes), so a kernel that reads them fails the comparison."""
+    view = empty_mn_major_scales(s.shape, s.device)
+    view.untyped_storage().fill_(0xFF)
     view.copy_(s)
     return view
 
@@ -46,20 +46,20 @@ def expected_rows(a_q, a_s, w_q, w_s):
     R, K = a_q.shape
     N = w_q.shape[0]
     y = torch.zeros(R, N, device=a_q.device)
-    for kb in range(K // 128):
-        ks = slice(kb * 128, (kb + 1) * 128)
+    for kb in range(K // SCALE_BLOCK):
+        ks = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
         part = a_q[:, ks].float() @ w_q[:, ks].float().t()
-        y += part * a_s[:, kb, None].float() * w_s[:, kb].float().repeat_interleave(128)[None, :]
+        y += part * a_s[:, kb, None].float() * w_s[:, kb].float().repeat_interleave(SCALE_BLOCK)[None, :]
     return y
 
 
 def contiguous_layout(segments, pad_last=True, extra_pad_blocks=0):
-    """int32 m_indices: expert e's rows start at a multiple of 128, padding -1."""
+    """int32 m_indices: expert e's rows start at a multiple of ALIGNMENT (128), padding -1."""
     ids = []
     for e, n in enumerate(segments):
-        span = -(-n // 128) * 128 if (pad_last or e < len(segments) - 1) else n
+        span = -(-n // ALIGNMENT) * ALIGNMENT if (pad_last or e < len(segments) - 1) else n
         ids += [e] * n + [-1] * (span - n)
-    ids += [-1] * (128 * extra_pad_blocks)
+    ids += [-1] * (ALIGNMENT * extra_pad_blocks)
     return torch.tensor(ids, dtype=torch.int32)
 
 
@@ -112,9 +112,9 @@ def test_masked_reference_matches_bf16_matmul():
 
 
 # ---------------------------------------------------------------- Triton kernels
-# Under the interpreter (CPU) float32 -> bf16 casts truncate instead of rounding to nearest (triton
-# 3.9 defect, like the FP8 one in environment.md): up to one bf16 ulp, calc_diff ~7e-6. The GPU
-# rounds correctly (~1e-6).
+# Under the interpreter (CPU) float32 -> bf16 casts truncate instead of rounding to nearest (a
+# triton 3.9 defect, like its float32 -> float8 cast, see ops/fp8_quant.py): up to one bf16 ulp,
+# calc_diff ~7e-6. The GPU rounds correctly (~1e-6).
 CONFIGS = [None, dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=2, num_warps=4, num_stages=2)]
 
 
@@ -145,7 +145,7 @@ def test_masked_triton(kernel_device, config, layout):
     _, _, (a_q, a_s), (w_q, w_s) = make_problem(E, N, K, (E, T), kernel_device, 7)
     if layout == "mn_major":
         a_s = mn_major(a_s)  # strides (K/128 * T, 1, T): DeepEP's low-latency layout
-        assert a_s.stride() == (K // 128 * T, 1, T)
+        assert a_s.stride() == (K // SCALE_BLOCK * T, 1, T)
     out = torch.full((E, T, N), float("nan"), dtype=torch.bfloat16, device=kernel_device)
     res = grouped_fp8_gemm_masked_triton((a_q, a_s), (w_q, w_s), out, masked_m, 64, config)
     assert res is out
@@ -180,8 +180,8 @@ def check_masked(out, a_q, a_s, w_q, w_s, masked_m, tol):
 
 
 def test_tma_views_cover_regular_inputs():
-    a_q = torch.empty(3, 5, 256, dtype=FP8)
-    w_q = torch.empty(3, 128, 256, dtype=FP8)
+    a_q = torch.empty(3, 5, 256, dtype=FP8_DTYPE)
+    w_q = torch.empty(3, 128, 256, dtype=FP8_DTYPE)
     rows, w_rows = _tma_views(a_q, w_q)
     assert rows.shape == (15, 256) and rows.data_ptr() == a_q.data_ptr()
     assert w_rows.shape == (384, 256)
@@ -223,9 +223,9 @@ def test_pointer_fallback_masked(kernel_device):
 
 def test_contiguous_no_experts(kernel_device):
     m_idx = contiguous_layout([], extra_pad_blocks=1).to(kernel_device)
-    a_q = torch.ones(128, 128, device=kernel_device).to(FP8)
+    a_q = torch.ones(128, 128, device=kernel_device).to(FP8_DTYPE)
     a_s = torch.ones(128, 1, device=kernel_device)
-    w = (torch.empty(0, 128, 128, device=kernel_device, dtype=FP8),
+    w = (torch.empty(0, 128, 128, device=kernel_device, dtype=FP8_DTYPE),
          torch.empty(0, 1, 1, device=kernel_device))
     out = torch.full((128, 128), float("nan"), dtype=torch.bfloat16, device=kernel_device)
     grouped_fp8_gemm_contiguous_triton((a_q, a_s), w, out, m_idx)
@@ -252,8 +252,8 @@ def test_public_api_on_cpu_uses_reference():
 def _contiguous_args():
     M, E, N, K = 128, 2, 128, 256
     return dict(
-        a=(torch.zeros(M, K, dtype=FP8), torch.ones(M, K // 128)),
-        w=(torch.zeros(E, N, K, dtype=FP8), torch.ones(E, N // 128, K // 128)),
+        a=(torch.zeros(M, K, dtype=FP8_DTYPE), torch.ones(M, K // SCALE_BLOCK)),
+        w=(torch.zeros(E, N, K, dtype=FP8_DTYPE), torch.ones(E, N // SCALE_BLOCK, K // SCALE_BLOCK)),
         out=torch.empty(M, N, dtype=torch.bfloat16),
         m_indices=torch.zeros(M, dtype=torch.int32),
     )
@@ -262,8 +262,8 @@ def _contiguous_args():
 def _masked_args():
     E, T, N, K = 2, 8, 128, 256
     return dict(
-        a=(torch.zeros(E, T, K, dtype=FP8), torch.ones(E, T, K // 128)),
-        w=(torch.zeros(E, N, K, dtype=FP8), torch.ones(E, N // 128, K // 128)),
+        a=(torch.zeros(E, T, K, dtype=FP8_DTYPE), torch.ones(E, T, K // SCALE_BLOCK)),
+        w=(torch.zeros(E, N, K, dtype=FP8_DTYPE), torch.ones(E, N // SCALE_BLOCK, K // SCALE_BLOCK)),
         out=torch.empty(E, T, N, dtype=torch.bfloat16),
         masked_m=torch.zeros(E, dtype=torch.int32),
     )
@@ -282,13 +282,13 @@ def _with(args, key, index=None, value=None):
 COMMON_BAD = [
     ("a", "not-a-pair", None, "a:"),
     ("a", 0, lambda t: t.to(torch.bfloat16), "a\\[0\\]"),
-    ("a", 0, lambda t: torch.zeros(*t.shape[:-1], 192, dtype=FP8), "a\\[0\\]"),
+    ("a", 0, lambda t: torch.zeros(*t.shape[:-1], 192, dtype=FP8_DTYPE), "a\\[0\\]"),
     ("a", 0, lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2), "a\\[0\\]"),
     ("a", 1, lambda t: t.double(), "a\\[1\\]"),
     ("a", 1, lambda t: t[..., :1], "a\\[1\\]"),
     ("w", 0, lambda t: t.to(torch.bfloat16), "w\\[0\\]"),
     ("w", 0, lambda t: t[:, :, :128].contiguous(), "w\\[0\\]"),
-    ("w", 0, lambda t: torch.zeros(t.shape[0], 192, t.shape[2], dtype=FP8), "w\\[0\\]"),
+    ("w", 0, lambda t: torch.zeros(t.shape[0], 192, t.shape[2], dtype=FP8_DTYPE), "w\\[0\\]"),
     ("w", 0, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1), "w\\[0\\]"),
     ("w", 1, lambda t: t[:, :, :1], "w\\[1\\]"),
     ("w", 1, lambda t: t.half(), "w\\[1\\]"),
@@ -350,8 +350,8 @@ def test_contiguous_validation_config_and_device():
     (dict(masked_m=None), "masked_m"),
     (dict(expected_m=-1), "expected_m"),
     (dict(expected_m=2.5), "expected_m"),
-    (dict(w=(torch.zeros(3, 128, 256, dtype=FP8), torch.ones(3, 1, 2))), "experts"),
-    (dict(a=(torch.zeros(8, 256, dtype=FP8), torch.ones(8, 2))), "a\\[0\\]"),
+    (dict(w=(torch.zeros(3, 128, 256, dtype=FP8_DTYPE), torch.ones(3, 1, 2))), "experts"),
+    (dict(a=(torch.zeros(8, 256, dtype=FP8_DTYPE), torch.ones(8, 2))), "a\\[0\\]"),
 ])
 def test_masked_validation(kwargs, match):
     args = _masked_args()
@@ -428,7 +428,7 @@ def _big_fp8(shape, seed):
     past 448 become NaN, so clamp first."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16) * 100
-    return x.clamp_(-448, 448).to(FP8)
+    return x.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 @pytest.mark.gpu
@@ -439,9 +439,9 @@ def test_contiguous_gpu_past_2_31_elements():
     M = m_idx.numel()
     assert M * K > 2**31
     a_q = _big_fp8((M, K), 31)
-    a_s = mn_major(torch.rand(M, K // 128, device="cuda") * 1e-3 + 1e-4)
+    a_s = mn_major(torch.rand(M, K // SCALE_BLOCK, device="cuda") * 1e-3 + 1e-4)
     w_q = _big_fp8((3, N, K), 32)
-    w_s = torch.rand(3, N // 128, K // 128, device="cuda") * 1e-3 + 1e-4
+    w_s = torch.rand(3, N // SCALE_BLOCK, K // SCALE_BLOCK, device="cuda") * 1e-3 + 1e-4
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     grouped_fp8_gemm_contiguous((a_q, a_s), (w_q, w_s), out, m_idx)
     for rows in ((m_idx == 2).nonzero().flatten(), torch.arange(256, device="cuda")):
@@ -456,9 +456,9 @@ def test_masked_gpu_past_2_31_elements():
     E, T, K, N = 2, 150_016, 7168, 128
     assert E * T * K > 2**31
     a_q = _big_fp8((E, T, K), 33)
-    a_s = mn_major(torch.rand(E, T, K // 128, device="cuda") * 1e-3 + 1e-4)
+    a_s = mn_major(torch.rand(E, T, K // SCALE_BLOCK, device="cuda") * 1e-3 + 1e-4)
     w_q = _big_fp8((E, N, K), 34)
-    w_s = torch.rand(E, N // 128, K // 128, device="cuda") * 1e-3 + 1e-4
+    w_s = torch.rand(E, N // SCALE_BLOCK, K // SCALE_BLOCK, device="cuda") * 1e-3 + 1e-4
     masked_m = torch.tensor([T, T - 3], dtype=torch.int32, device="cuda")
     out = torch.full((E, T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     grouped_fp8_gemm_masked((a_q, a_s), (w_q, w_s), out, masked_m)

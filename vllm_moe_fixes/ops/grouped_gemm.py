@@ -27,10 +27,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.reference import dequant_block_fp8
-
-FP8_DTYPE = torch.float8_e4m3fn
-SCALE_BLOCK = 128  # K (and weight N) width of one scale
 
 
 # ----------------------------------------------------------------------------------------------
@@ -49,10 +47,9 @@ SCALE_BLOCK = 128  # K (and weight N) width of one scale
 # (see _tma_views).
 #
 # Default, from the H200 sweep (triton 3.6, torch 2.11; TFLOP/s over useful rows of the
-# contiguous kernel; tiles BLOCK_MxBLOCK_N, warps, stages, GROUP_M; DeepGEMM v2.6.1's figure
-# from figures.md in brackets; all columns use TMA but the last, the former default: 64x128
-# 4w 4s g16 with pointer loads):
-#   groups x rows, N, K          64x128 4w 3s g16  64x128 4w 3s g8  64x128 4w 4s g16  former
+# contiguous kernel; tiles BLOCK_MxBLOCK_N, warps, stages, GROUP_M; DeepGEMM v2.6.1 on an H200 in
+# brackets; every column loads through TMA but the last, 64x128 4w 4s g16 with pointer loads):
+#   groups x rows, N, K          64x128 4w 3s g16  64x128 4w 3s g8  64x128 4w 4s g16  pointers
 #   4 x 8192, 4096, 7168 [1225]        873.5            847.5            823.2           723.9
 #   4 x 8192, 7168, 2048 [1134]        875.1            831.9            777.7           686.9
 #   8 x 4096, 4096, 7168 [1206]        825.5            816.5            799.3           726.0
@@ -60,11 +57,13 @@ SCALE_BLOCK = 128  # K (and weight N) width of one scale
 #   8 x 1024, 7168, 2048 [1061]        801.0            790.8            743.7           639.5
 #  32 x  256, 4096, 7168  [904]        759.6            773.7            698.1           597.3
 # The default reaches 71% / 77% / 68% / 78% / 75% / 84% of DeepGEMM's figures and 0.98 of the
-# per-shape best (geometric mean) among 30 configs. 128x128 with 8 warps, 4 stages, TMA reached
-# 0.90; without TMA, no config passed 0.81 (0.92 with a 168-register cap). Two rescaled
-# accumulator chains (0.53-0.86) and persistent programs (0.74-0.83; 0.955 with TMA and the
-# register cap, best only at 32x256) lost and were removed. The masked kernel shares the main
-# loop and the TMA operand shapes, so it takes the same default.
+# per-shape best (geometric mean) among 30 configs. 128x128 with 8 warps, 4 stages, TMA reaches
+# 0.90; without TMA no config passes 0.81 (0.92 with a 168-register cap). Neither two rescaled
+# accumulator chains (0.53-0.86) nor persistent programs (0.74-0.83; 0.955 with TMA and the
+# register cap, best only at 32x256) beat it, so the kernels have neither. The masked kernel
+# shares the main loop and the TMA operand shapes, so it takes the same default.
+# `python -m benchmarks.bench_grouped_gemm --sweep` re-times the default against its neighbours
+# (benchmarks/results/grouped_gemm_sweep_h200.log).
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, num_warps=4, num_stages=3)
 
 
