@@ -1,8 +1,16 @@
 """Drop-in FP8 block-quantised Mixture-of-Experts layers with expert parallelism.
 
-Submodules: ``envs`` (backend toggles), ``ops`` (Triton kernels with torch references),
-``fused_moe`` (the modular kernel, experts and prepare/finalize), ``distributed``
-(all-to-all buffers and DeepEP sizing), ``worker`` (dummy-run input randomisation).
+Subpackages, each re-exporting its public names:
+    ops          Triton kernels, each with a torch reference (CPU tensors take the reference)
+    fused_moe    the modular kernel (prepare/finalize x experts) and routing
+    distributed  all-to-all buffers (DeepEP, or its API on torch.distributed) and DeepEP sizing
+    worker       dummy (profile) run input randomisation
+Modules: ``envs`` (environment variables), ``sizes`` (buffer sizes, no torch), ``config`` and
+``planner`` (model presets; load and memory of a DP/EP configuration, no torch), ``cli`` (the
+``vllm-moe-fixes`` command). Private: ``_compat`` (the only importers of deep_ep and deep_gemm),
+``_validate`` (argument checks), ``_memory`` (peak device memory of a block).
+
+Importing the package imports no torch: `vllm-moe-fixes plan` runs without it.
 """
 
 __version__ = "0.1.0"
