@@ -49,7 +49,8 @@ def expected_rows(a_q, a_s, w_q, w_s):
     for kb in range(K // SCALE_BLOCK):
         ks = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
         part = a_q[:, ks].float() @ w_q[:, ks].float().t()
-        y += part * a_s[:, kb, None].float() * w_s[:, kb].float().repeat_interleave(SCALE_BLOCK)[None, :]
+        w_scale = w_s[:, kb].float().repeat_interleave(SCALE_BLOCK)
+        y += part * a_s[:, kb, None].float() * w_scale[None, :]
     return y
 
 
@@ -253,7 +254,8 @@ def _contiguous_args():
     M, E, N, K = 128, 2, 128, 256
     return dict(
         a=(torch.zeros(M, K, dtype=FP8_DTYPE), torch.ones(M, K // SCALE_BLOCK)),
-        w=(torch.zeros(E, N, K, dtype=FP8_DTYPE), torch.ones(E, N // SCALE_BLOCK, K // SCALE_BLOCK)),
+        w=(torch.zeros(E, N, K, dtype=FP8_DTYPE),
+           torch.ones(E, N // SCALE_BLOCK, K // SCALE_BLOCK)),
         out=torch.empty(M, N, dtype=torch.bfloat16),
         m_indices=torch.zeros(M, dtype=torch.int32),
     )
@@ -263,7 +265,8 @@ def _masked_args():
     E, T, N, K = 2, 8, 128, 256
     return dict(
         a=(torch.zeros(E, T, K, dtype=FP8_DTYPE), torch.ones(E, T, K // SCALE_BLOCK)),
-        w=(torch.zeros(E, N, K, dtype=FP8_DTYPE), torch.ones(E, N // SCALE_BLOCK, K // SCALE_BLOCK)),
+        w=(torch.zeros(E, N, K, dtype=FP8_DTYPE),
+           torch.ones(E, N // SCALE_BLOCK, K // SCALE_BLOCK)),
         out=torch.empty(E, T, N, dtype=torch.bfloat16),
         masked_m=torch.zeros(E, dtype=torch.int32),
     )

@@ -90,8 +90,8 @@ def test_readme_class_names_import():
     modules = [importlib.import_module(m) for m in PUBLIC]
     names = {m.group(1) for text in _backticked()
              if (m := re.match(r"([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)(?:\(|$)", text))}
-    missing = [n for n in sorted(names - FOREIGN_CLASSES)
-               if not hasattr(builtins, n) and not any(n in getattr(m, "__all__", ()) for m in modules)]
+    missing = [n for n in sorted(names - FOREIGN_CLASSES) if not hasattr(builtins, n)
+               and not any(n in getattr(m, "__all__", ()) for m in modules)]
     assert not missing, f"README names classes no public package exports: {missing}"
 
 
