@@ -116,16 +116,15 @@ def test_plan_flags_seed_failure_modes():
     # DP=128 low latency with the seed's fixed 1 GiB RDMA buffer: below DeepEP's hint.
     plan = make_plan(R1, dp=128, max_tokens=128, backend="deepep_low_latency")
     flags = {name: f["raised"] for name, f in plan["flags"].items()}
-    assert plan["deepep"]["ll_rdma_hint_bytes"] == 1_908_410_496  # contracts/deep_ep.md's example
+    assert plan["deepep"]["ll_rdma_hint_bytes"] == 1_908_410_496  # DeepEP's hint at N=128, H=7168, E=256
     assert flags["fixed_rdma_below_ll_hint"]
-    assert not flags["ll_offset_limit"] and not flags["ll_unsupported_hidden"]
+    assert not flags["ll_unsupported_hidden"] and not flags["block_quant_shapes"]
     assert plan["layout"] == "batched"
     # The batched layout's tensors do not depend on the routing: T = ep * max_tokens rows per slice.
     assert plan["loads"]["zero"]["largest_tensor"] == plan["loads"]["random"]["largest_tensor"]
     assert plan["loads"]["zero"]["layer_bytes"] == plan["loads"]["random"]["layer_bytes"]
-    # Past the LL 32-bit offset limit (hint/16 >= 2**31) and int32 element counts.
+    # int32 element counts.
     big = make_plan(R1, dp=32, max_tokens=8192, backend="naive")
-    assert big["flags"]["ll_offset_limit"]["raised"]
     assert big["flags"]["int32_overflow_zero_inputs"]["raised"]
     assert big["loads"]["zero"]["largest_tensor"]["elements"] >= 2**31
     # Unsupported LL hidden size.
@@ -133,6 +132,20 @@ def test_plan_flags_seed_failure_modes():
     assert make_plan(odd, dp=8)["flags"]["ll_unsupported_hidden"]["raised"]
 
 
+def test_plan_counts_the_deepep_buffer_footprint():
+    # The hint rounded up to NVSHMEM's 512 MiB heap steps, DeepEP's 32 MiB workspace and
+    # NVSHMEM's fixed cost, not the hint alone.
+    plan = make_plan(R1, dp=8, max_tokens=128, backend="deepep_low_latency")
+    hint = plan["deepep"]["ll_rdma_hint_bytes"]
+    heap = -(-hint // 2**29) * 2**29
+    assert plan["buffer_bytes"] == 32 * 2**20 + heap + 2340 * 2**20 > hint + 2 * 2**30
+    assert plan["deepep"]["buffer_kwargs"] == {"num_nvl_bytes": 0, "num_rdma_bytes": hint}
+    assert plan["loads"]["zero"]["memory_bytes"] == (plan["weight_bytes"] + plan["buffer_bytes"]
+                                                     + sum(plan["loads"]["zero"]["layer_bytes"].values()))
+    # Intranode high throughput: no NVSHMEM, the NVLink buffer (2 MiB pages) and the workspace.
+    ht = make_plan(R1, dp=8, max_tokens=128, backend="deepep_high_throughput")
+    assert ht["buffer_bytes"] == 1024 * 2**20 + 2 * 2**20 + 32 * 2**20
+    assert make_plan(R1, dp=8, max_tokens=128, backend="naive")["buffer_bytes"] == 0
 def test_plan_oom_flag_zero_vs_random():
     plan = make_plan(R1, dp=32, max_tokens=4096, backend="naive")
     zero, random = plan["loads"]["zero"]["memory_bytes"], plan["loads"]["random"]["memory_bytes"]
@@ -143,14 +156,61 @@ def test_plan_oom_flag_zero_vs_random():
     assert not flagged["dummy_run_oom_random_inputs"]["raised"]
 
 
-@pytest.mark.parametrize("backend, dp, max_tokens, reason", [
-    ("deepep_high_throughput", 256, 256, "num_ranks=256 has no tuned DeepEP config"),
-    ("deepep_low_latency", 2, 1, "must be a multiple of 4"),
-    ("deepep_low_latency", 32, 8192, "32-bit units"),
-])
-def test_plan_flags_configurations_deepep_cannot_serve(backend, dp, max_tokens, reason):
-    flag = make_plan(R1, dp=dp, max_tokens=max_tokens, backend=backend)["flags"]["deepep_cannot_serve"]
+def _cfg(**change):
+    return config_from_dict({**R1.to_dict(), "name": "changed", **change})
+
+
+# (model, backend, dp, max_tokens, env, reason): each a configuration DeepEP v1.2.1 refuses.
+REFUSED = [
+    (R1, "deepep_high_throughput", 256, 256, {}, "num_ranks=256 has no tuned DeepEP v1.2.1 config"),
+    (_cfg(num_experts=240), "deepep_high_throughput", 24, 128, {}, "high-throughput kernels"),
+    (_cfg(hidden_size=4097), "deepep_high_throughput", 8, 128, {}, "hidden=4097"),
+    (R1, "deepep_high_throughput", 16, 128, {"VLLM_DEEPEP_BUFFER_SIZE_MB": "2048"}, "< 2048 MiB"),
+    (_cfg(num_experts=512), "deepep_high_throughput", 2, 128, {}, "at most 128"),
+    (R1, "deepep_low_latency", 2, 1, {}, "must be a multiple of 4"),
+    (_cfg(num_experts=240), "deepep_low_latency", 12, 128, {}, "multiple of 8"),
+    (_cfg(hidden_size=3072), "deepep_low_latency", 8, 128, {}, "hidden=3072 is not supported"),
+]
+# Configurations DeepEP v1.2.1 serves (at the edges of the rules above).
+SERVED = [
+    (R1, "deepep_high_throughput", 128, 128, {}),
+    (R1, "deepep_high_throughput", 8, 128, {"VLLM_DEEPEP_BUFFER_SIZE_MB": "2048"}),
+    (R1, "deepep_high_throughput", 16, 128, {"VLLM_DEEPEP_BUFFER_SIZE_MB": "2047"}),
+    (R1, "deepep_low_latency", 128, 128, {}),
+    (_cfg(num_experts=240), "deepep_low_latency", 6, 128, {}),
+    (R1, "deepep_low_latency", 32, 8192, {}),  # 64 GiB of buffer: no offset limit in DeepEP
+]
+
+
+@pytest.mark.parametrize("cfg, backend, dp, max_tokens, env, reason", REFUSED)
+def test_plan_flags_configurations_deepep_cannot_serve(cfg, backend, dp, max_tokens, env, reason, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    flag = make_plan(cfg, dp=dp, max_tokens=max_tokens, backend=backend)["flags"]["deepep_cannot_serve"]
     assert flag["raised"] and reason in flag["detail"] and backend in flag["detail"]
+
+
+@pytest.mark.parametrize("cfg, backend, dp, max_tokens, env",
+                         [case[:5] for case in REFUSED] + SERVED)
+def test_plan_flags_exactly_what_make_all2all_buffer_refuses(cfg, backend, dp, max_tokens, env, monkeypatch):
+    """The planner and make_all2all_buffer share their checks: the plan flags a configuration
+    exactly when building its buffer raises ValueError (otherwise building reaches DeepEP)."""
+    from vllm_moe_fixes._compat import deep_ep
+    from vllm_moe_fixes.distributed import buffers
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(buffers, "_group_size", lambda group: dp)
+    monkeypatch.setattr(deep_ep, "require", lambda backend: (_ for _ in ()).throw(ImportError("stop")))
+    raised = make_plan(cfg, dp=dp, max_tokens=max_tokens, backend=backend)["flags"]["deepep_cannot_serve"]["raised"]
+    with pytest.raises(ValueError if raised else ImportError):
+        buffers.make_all2all_buffer(backend, None, max_tokens_per_rank=max_tokens, hidden=cfg.hidden_size,
+                                    num_experts=cfg.num_experts)
+
+
+def test_plan_flags_block_quant_shapes():
+    assert make_plan(_cfg(hidden_size=4097), dp=8)["flags"]["block_quant_shapes"]["raised"]
+    assert make_plan(_cfg(moe_intermediate_size=2000), dp=8)["flags"]["block_quant_shapes"]["raised"]
+    assert not make_plan(R1, dp=8)["flags"]["block_quant_shapes"]["raised"]
 
 
 @pytest.mark.parametrize("backend, dp", [("deepep_high_throughput", 128), ("deepep_low_latency", 128),
@@ -175,6 +235,10 @@ def test_plan_is_fast_for_every_preset():
     ({"dp": 8, "max_tokens": 0}, "max_tokens"),
     ({"dp": 8, "backend": "mpi"}, "backend"),
     ({"dp": 8, "gpu_memory_gib": 0}, "gpu_memory_gib"),
+    ({"dp": 8, "gpu_memory_gib": float("inf")}, "gpu_memory_gib"),
+    ({"dp": 8, "gpu_memory_gib": float("nan")}, "gpu_memory_gib"),
+    ({"dp": 8, "seed": -1}, "seed"),
+    ({"dp": True}, "dp"),
 ])
 def test_plan_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -23,8 +23,9 @@ scaled to the whole group; sampling noise can only add imbalance, so the busiest
 sample is a slight over-estimate. All-zero ids are exact at any sample size.
 
 Memory model at the busiest rank (the one receiving the most tokens; bytes): the MoE weights of its
-local experts over all MoE layers (FP8 with float32 128x128 block scales) + the DeepEP buffers of
-the backend + one layer's received rows, expert workspaces (``vllm_moe_fixes.sizes``, the shapes
+local experts over all MoE layers (FP8 with float32 128x128 block scales) + the device footprint
+of the backend's DeepEP buffer (``deepep_buffer_footprint_bytes``: its byte counts, DeepEP's 32 MiB
+workspace and NVSHMEM's heap granularity and fixed cost) + one layer's received rows, expert workspaces (``vllm_moe_fixes.sizes``, the shapes
 the experts ask the modular kernel for; they hold the experts' output) and result (the modular
 kernel reuses the workspaces across layers).
 Dense layers, attention, KV cache and shared experts are not counted: it is a lower bound.
@@ -40,10 +41,11 @@ import numpy as np
 
 from vllm_moe_fixes import envs
 from vllm_moe_fixes.config import MoEModelConfig
+from vllm_moe_fixes._validate import check_positive_int
 from vllm_moe_fixes.distributed.deepep_sizing import (
-    LL_MAX_RDMA_BYTES,
     LL_SUPPORTED_HIDDEN,
-    check_low_latency_config,
+    check_deepep_config,
+    deepep_buffer_footprint_bytes,
     deepep_ll_rdma_bytes,
     deepep_nvl_bytes,
     deepep_rdma_bytes,
@@ -185,29 +187,123 @@ def _hint_or_none(fn, *args):
     try:
         return fn(*args)
     except ValueError:
-        return None  # DeepEP has no tuned config / cannot serve this rank count
-
-
-def _deepep_cannot_serve(backend: str, max_tokens: int, hidden: int, ep: int, num_experts: int) -> dict:
-    """The flag for a DeepEP backend refusing this configuration, with DeepEP's (the library's
-    own check's) reason: check_low_latency_config for low latency, the tuned normal-mode config
-    behind deepep_nvl_bytes for high throughput."""
-    if ep == 1 or backend == "naive":
-        why = "one rank: no all-to-all" if ep == 1 else "naive backend: torch.distributed all-to-all"
-        return {"raised": False, "detail": f"{backend}: not a DeepEP configuration ({why})"}
-    try:
-        if backend == "deepep_low_latency":
-            check_low_latency_config(max_tokens, hidden, ep, num_experts)
-        else:
-            deepep_nvl_bytes(hidden, ep)
-    except ValueError as e:
-        return {"raised": True, "detail": f"{backend} cannot run this configuration: {e}"}
-    return {"raised": False, "detail": f"{backend} accepts ep={ep}, hidden={hidden}, "
-                                       f"max_tokens={max_tokens}, experts={num_experts}"}
+        return None  # DeepEP has no tuned config for this rank count
 
 
 def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _check_arguments(dp, ep, max_tokens, backend, gpu_memory_gib, seed) -> tuple[int, int, str]:
+    """Validate make_plan's arguments; return (ep, max_tokens, backend) with defaults filled in."""
+    for name, value in (("dp", dp), ("ep", ep), ("max_tokens", max_tokens)):
+        if value is not None:
+            check_positive_int(name, value)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be an int >= 0")
+    ep = dp if ep is None else ep
+    max_tokens = envs.VLLM_MOE_DP_CHUNK_SIZE if max_tokens is None else max_tokens
+    backend = envs.VLLM_ALL2ALL_BACKEND if backend is None else backend
+    if backend not in envs.ALL2ALL_BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {', '.join(envs.ALL2ALL_BACKENDS)}")
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp} (an EP group is made of ep of the DP ranks)")
+    if not (isinstance(gpu_memory_gib, (int, float)) and math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+        raise ValueError(f"gpu_memory_gib must be a finite number > 0, got {gpu_memory_gib!r}")
+    return ep, max_tokens, backend
+
+
+def _size_buffers(cfg: MoEModelConfig, backend: str, ep: int, max_tokens: int) -> tuple[dict, dict]:
+    """DeepEP's byte counts for this group and the buffer the backend builds, with the same checks
+    as ``make_all2all_buffer`` (``check_deepep_config``).
+
+    Returns (deepep, cannot_serve): deepep holds the hints, the buffer's byte counts and its device
+    footprint (``buffer_bytes``: 0 for one rank or the naive backend, which keep no standing
+    buffer); cannot_serve is the flag {raised, detail} for a configuration DeepEP refuses.
+    """
+    K, E = cfg.hidden_size, cfg.num_experts
+    nvl = envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20
+    deepep = {"nvl_bytes": nvl,
+              "nvl_hint_bytes": _hint_or_none(deepep_nvl_bytes, K, ep),
+              "ht_rdma_hint_bytes": _hint_or_none(deepep_rdma_bytes, K, ep),
+              "ll_rdma_hint_bytes": deepep_ll_rdma_bytes(max_tokens, K, ep, E),
+              "seed_fixed_rdma_bytes": SEED_RDMA_BYTES,
+              "buffer_kwargs": None, "buffer_bytes": 0}
+    if ep == 1 or backend == "naive":
+        why = "one rank: no all-to-all" if ep == 1 else "naive backend: torch.distributed all-to-all"
+        return deepep, {"raised": False, "detail": f"{backend}: not a DeepEP configuration ({why})"}
+    try:
+        kwargs = check_deepep_config(backend, num_ranks=ep, max_tokens_per_rank=max_tokens, hidden=K,
+                                     num_experts=E, nvl_bytes=nvl)
+    except ValueError as e:
+        return deepep, {"raised": True, "detail": f"{backend} cannot run this configuration: {e}"}
+    deepep["buffer_kwargs"] = kwargs
+    deepep["buffer_bytes"] = deepep_buffer_footprint_bytes(**kwargs)
+    return deepep, {"raised": False, "detail": f"{backend} accepts ep={ep}, hidden={K}, "
+                                               f"max_tokens={max_tokens}, experts={E}"}
+
+
+def _compute_loads(cfg: MoEModelConfig, sims: dict, *, layout: str, local_experts: int,
+                   group_tokens: int, max_tokens: int, fixed_bytes: int) -> dict:
+    """Per input kind: the busiest rank's load, one layer's allocations at the rank receiving the
+    most tokens (memory grows with the tokens received) and its memory (``fixed_bytes`` of weights
+    and buffers + the layer)."""
+    loads = {}
+    for inputs, sim in sims.items():
+        layer, largest = _layer(cfg, layout=layout, tokens=int(sim.tokens.max()),
+                                local_experts=local_experts, group_tokens=group_tokens,
+                                max_tokens=max_tokens)
+        busiest = int(np.argmax(sim.slots))
+        mean = float(sim.slots.mean())
+        loads[inputs] = {
+            "busiest_rank": busiest, "busiest_slots": int(sim.slots[busiest]),
+            "mean_slots": mean, "imbalance": float(sim.slots[busiest] / mean) if mean else 0.0,
+            "busiest_tokens": int(sim.tokens.max()), "slots_per_rank": sim.slots.tolist(),
+            "layer_bytes": layer,
+            "memory_bytes": fixed_bytes + sum(layer.values()),
+            "largest_tensor": largest,
+        }
+    return loads
+
+
+def _raise_flags(cfg: MoEModelConfig, loads: dict, deepep: dict, cannot_serve: dict, *, ep: int,
+                 max_tokens: int, gpu_memory_gib: float) -> dict:
+    """name -> {raised, detail} for each failure mode the plan checks."""
+    K, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    budget = gpu_memory_gib * 2**30
+    flags = {}
+    for inputs in INPUTS:
+        mem = loads[inputs]["memory_bytes"]
+        flags[f"dummy_run_oom_{inputs}_inputs"] = {
+            "raised": mem > budget,
+            "detail": f"{inputs} ids: {_gib(mem)} per GPU at the busiest rank (weights, all-to-all "
+                      f"buffer footprint and one layer's activations; a lower bound) vs "
+                      f"{gpu_memory_gib:g} GiB"}
+        big = loads[inputs]["largest_tensor"]
+        flags[f"int32_overflow_{inputs}_inputs"] = {
+            "raised": big["elements"] >= INT32_ELEMENTS,
+            "detail": f"{inputs} ids: largest kernel tensor {big['name']} has {big['elements']} "
+                      f"elements (32-bit offsets break at 2**31 = {INT32_ELEMENTS})"}
+    flags["block_quant_shapes"] = {
+        "raised": bool(K % 128 or I % 128),
+        "detail": f"hidden {K}, intermediate {I}: FP8 128x128 block quantisation needs both to be "
+                  "multiples of 128"}
+    ll_hint = deepep["ll_rdma_hint_bytes"]
+    flags["fixed_rdma_below_ll_hint"] = {
+        "raised": SEED_RDMA_BYTES < ll_hint,
+        "detail": f"a fixed {_gib(SEED_RDMA_BYTES)} low-latency RDMA buffer vs the hint {ll_hint} "
+                  f"bytes ({_gib(ll_hint)}) for N={max_tokens}, H={K}, E={E}: DeepEP's "
+                  "'layout.total_bytes <= num_rdma_bytes' assertion"}
+    flags["ll_unsupported_hidden"] = {
+        "raised": K not in LL_SUPPORTED_HIDDEN,
+        "detail": f"hidden {K}; DeepEP low-latency supports {', '.join(map(str, LL_SUPPORTED_HIDDEN))}"}
+    nvl, nvl_hint = deepep["nvl_bytes"], deepep["nvl_hint_bytes"]
+    flags["nvl_buffer_below_hint"] = {
+        "raised": nvl_hint is not None and nvl < nvl_hint,
+        "detail": f"VLLM_DEEPEP_BUFFER_SIZE_MB gives {nvl} bytes vs DeepEP's high-throughput hint "
+                  f"{nvl_hint if nvl_hint is not None else 'n/a (no tuned config for ' + str(ep) + ' ranks)'}"}
+    flags["deepep_cannot_serve"] = cannot_serve
+    return flags
 
 
 def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens: int | None = None,
@@ -222,107 +318,37 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
             VLLM_MOE_DP_CHUNK_SIZE).
         backend: all-to-all backend (default VLLM_ALL2ALL_BACKEND); deepep_low_latency uses the
             batched layout, the others (and ep == 1) the standard one.
-        gpu_memory_gib: memory budget per GPU for the OOM flag.
-        seed: routing simulation seed.
+        gpu_memory_gib: memory budget per GPU for the OOM flag (finite, > 0).
+        seed: routing simulation seed (int >= 0).
 
     Returns a dict with keys: model, dp, ep, max_tokens, backend, layout, gpu_memory_gib,
     local_experts, group_tokens, simulated_tokens, seed, inputs_in_effect, loads (per input kind:
     busiest_rank, busiest_slots, mean_slots, imbalance, busiest_tokens, slots_per_rank,
-    layer_bytes, memory_bytes, largest_tensor), weight_bytes, deepep (byte counts), flags
-    (name -> {raised, detail}), elapsed_s.
+    layer_bytes, memory_bytes, largest_tensor), weight_bytes, buffer_bytes (the DeepEP buffer's
+    device footprint), deepep (hints, buffer_kwargs, buffer_bytes), flags (name -> {raised,
+    detail}), elapsed_s.
     """
     start = time.perf_counter()
-    for name, value in (("dp", dp), ("ep", ep), ("max_tokens", max_tokens)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    ep = dp if ep is None else ep
-    max_tokens = envs.VLLM_MOE_DP_CHUNK_SIZE if max_tokens is None else max_tokens
-    backend = envs.VLLM_ALL2ALL_BACKEND if backend is None else backend
-    if backend not in envs.ALL2ALL_BACKENDS:
-        raise ValueError(f"backend={backend!r}; allowed: {', '.join(envs.ALL2ALL_BACKENDS)}")
-    if dp % ep:
-        raise ValueError(f"ep={ep} must divide dp={dp} (an EP group is made of ep of the DP ranks)")
-    if not gpu_memory_gib > 0:
-        raise ValueError(f"gpu_memory_gib must be > 0, got {gpu_memory_gib!r}")
-
-    K, E = cfg.hidden_size, cfg.num_experts
-    group_tokens = ep * max_tokens
+    ep, max_tokens, backend = _check_arguments(dp, ep, max_tokens, backend, gpu_memory_gib, seed)
     router = SimulatedRouter(cfg, seed)
     # simulate_loads raises first when ep does not divide the expert count.
-    sims = {inputs: simulate_loads(router, ep=ep, num_tokens=group_tokens, inputs=inputs)
+    sims = {inputs: simulate_loads(router, ep=ep, num_tokens=ep * max_tokens, inputs=inputs)
             for inputs in INPUTS}
-    local_experts = E // ep
+    deepep, cannot_serve = _size_buffers(cfg, backend, ep, max_tokens)
+    local_experts = cfg.num_experts // ep
     layout = "batched" if backend == "deepep_low_latency" and ep > 1 else "standard"
-    budget = int(gpu_memory_gib * 2**30)
-
-    nvl = envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20
-    deepep = {"nvl_bytes": nvl,
-              "nvl_hint_bytes": _hint_or_none(deepep_nvl_bytes, K, ep),
-              "ht_rdma_hint_bytes": _hint_or_none(deepep_rdma_bytes, K, ep),
-              "ll_rdma_hint_bytes": deepep_ll_rdma_bytes(max_tokens, K, ep, E),
-              "seed_fixed_rdma_bytes": SEED_RDMA_BYTES}
-    buffer_bytes = 0  # one rank (no all-to-all) or naive (torch.distributed, no standing buffer)
-    if ep > 1 and backend == "deepep_high_throughput":
-        buffer_bytes = nvl + (deepep["ht_rdma_hint_bytes"] or 0)
-    elif ep > 1 and backend == "deepep_low_latency":
-        buffer_bytes = deepep["ll_rdma_hint_bytes"]
     weight_bytes = _weight_bytes(cfg, local_experts)
-
-    loads = {}
-    for inputs, sim in sims.items():
-        # Memory grows with the tokens received: the busiest rank for memory is the one receiving most.
-        layer, largest = _layer(cfg, layout=layout, tokens=int(sim.tokens.max()),
-                                local_experts=local_experts, group_tokens=group_tokens,
-                                max_tokens=max_tokens)
-        busiest = int(np.argmax(sim.slots))
-        mean = float(sim.slots.mean())
-        loads[inputs] = {
-            "busiest_rank": busiest, "busiest_slots": int(sim.slots[busiest]),
-            "mean_slots": mean, "imbalance": float(sim.slots[busiest] / mean) if mean else 0.0,
-            "busiest_tokens": int(sim.tokens.max()), "slots_per_rank": sim.slots.tolist(),
-            "layer_bytes": layer,
-            "memory_bytes": weight_bytes + buffer_bytes + sum(layer.values()),
-            "largest_tensor": largest,
-        }
-
-    ll_hint = deepep["ll_rdma_hint_bytes"]
-    flags = {}
-    for inputs in INPUTS:
-        mem = loads[inputs]["memory_bytes"]
-        flags[f"dummy_run_oom_{inputs}_inputs"] = {
-            "raised": mem > budget,
-            "detail": f"{inputs} ids: {_gib(mem)} per GPU at the busiest rank (weights, buffers and "
-                      f"one layer's activations; a lower bound) vs {gpu_memory_gib:g} GiB"}
-        big = loads[inputs]["largest_tensor"]
-        flags[f"int32_overflow_{inputs}_inputs"] = {
-            "raised": big["elements"] >= INT32_ELEMENTS,
-            "detail": f"{inputs} ids: largest kernel tensor {big['name']} has {big['elements']} "
-                      f"elements (32-bit offsets break at 2**31 = {INT32_ELEMENTS})"}
-    flags["fixed_rdma_below_ll_hint"] = {
-        "raised": SEED_RDMA_BYTES < ll_hint,
-        "detail": f"a fixed {_gib(SEED_RDMA_BYTES)} low-latency RDMA buffer vs the hint {ll_hint} "
-                  f"bytes ({_gib(ll_hint)}) for N={max_tokens}, H={K}, E={E}: DeepEP's "
-                  "'layout.total_bytes <= num_rdma_bytes' assertion"}
-    flags["ll_offset_limit"] = {
-        "raised": ll_hint > LL_MAX_RDMA_BYTES,
-        "detail": f"LL hint/16 = {ll_hint // 16} vs 2**31: DeepEP's low-latency offsets are 32-bit "
-                  "in 16-byte units"}
-    flags["ll_unsupported_hidden"] = {
-        "raised": K not in LL_SUPPORTED_HIDDEN,
-        "detail": f"hidden {K}; DeepEP low-latency supports {', '.join(map(str, LL_SUPPORTED_HIDDEN))}"}
-    nvl_hint = deepep["nvl_hint_bytes"]
-    flags["nvl_buffer_below_hint"] = {
-        "raised": nvl_hint is not None and nvl < nvl_hint,
-        "detail": f"VLLM_DEEPEP_BUFFER_SIZE_MB gives {nvl} bytes vs DeepEP's high-throughput hint "
-                  f"{nvl_hint if nvl_hint is not None else 'n/a (no tuned config for ' + str(ep) + ' ranks)'}"}
-    flags["deepep_cannot_serve"] = _deepep_cannot_serve(backend, max_tokens, K, ep, E)
-
+    loads = _compute_loads(cfg, sims, layout=layout, local_experts=local_experts,
+                           group_tokens=ep * max_tokens, max_tokens=max_tokens,
+                           fixed_bytes=weight_bytes + deepep["buffer_bytes"])
+    flags = _raise_flags(cfg, loads, deepep, cannot_serve, ep=ep, max_tokens=max_tokens,
+                         gpu_memory_gib=gpu_memory_gib)
     return {
         "model": cfg.to_dict(), "dp": dp, "ep": ep, "max_tokens": max_tokens, "backend": backend,
         "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_experts,
-        "group_tokens": group_tokens, "simulated_tokens": min(group_tokens, SAMPLE_TOKENS), "seed": seed,
-        "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",
-        "loads": loads, "weight_bytes": weight_bytes, "buffer_bytes": buffer_bytes,
+        "group_tokens": ep * max_tokens, "simulated_tokens": min(ep * max_tokens, SAMPLE_TOKENS),
+        "seed": seed, "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",
+        "loads": loads, "weight_bytes": weight_bytes, "buffer_bytes": deepep["buffer_bytes"],
         "deepep": deepep, "flags": flags, "elapsed_s": time.perf_counter() - start,
     }
 
@@ -357,7 +383,7 @@ def format_plan(plan: dict) -> str:
     for key in z["layer_bytes"]:
         row(f"  {key}", _gib(z["layer_bytes"][key]), _gib(r["layer_bytes"][key]))
     row("expert weights (all layers)", _gib(plan["weight_bytes"]), _gib(plan["weight_bytes"]))
-    row("all-to-all buffers", _gib(plan["buffer_bytes"]), _gib(plan["buffer_bytes"]))
+    row("all-to-all buffer footprint", _gib(plan["buffer_bytes"]), _gib(plan["buffer_bytes"]))
     row("memory (lower bound)", _gib(z["memory_bytes"]), _gib(r["memory_bytes"]))
     row("largest tensor (elements)", z["largest_tensor"]["elements"], r["largest_tensor"]["elements"])
     d = plan["deepep"]

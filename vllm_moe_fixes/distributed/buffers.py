@@ -2,7 +2,8 @@
 
 ``make_all2all_buffer`` returns ``TorchAll2AllBuffer`` for ``naive`` and a ``deep_ep.Buffer`` sized
 from DeepEP's own hints (``deepep_sizing``) for the two DeepEP modes. Configurations DeepEP cannot
-serve are refused before any allocation, with the numbers.
+serve are refused before any allocation, with the numbers, by ``deepep_sizing.check_deepep_config``
+(the planner's check too).
 """
 
 from __future__ import annotations
@@ -11,12 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_moe_fixes import envs
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
-from vllm_moe_fixes.distributed.deepep_sizing import (
-    check_low_latency_config,
-    check_normal_ranks,
-    deepep_nvl_bytes,
-    deepep_rdma_bytes,
-)
+from vllm_moe_fixes.distributed.deepep_sizing import check_deepep_config
 
 if TYPE_CHECKING:  # torch is imported where a buffer is built: planning needs only the sizing
     import torch.distributed as dist
@@ -64,20 +60,12 @@ def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
     if backend == "naive":
         kwargs = dict(low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens_per_rank,
                       hidden=hidden, num_experts=num_experts)
-    elif backend == "deepep_high_throughput":
-        check_normal_ranks(num_ranks)
-        if (hidden * 2) % 16:
-            raise ValueError(f"hidden={hidden}: DeepEP needs rows of a multiple of 16 bytes (hidden % 8 == 0)")
-        nvl = envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20
-        need = deepep_nvl_bytes(hidden, num_ranks)
-        if nvl < need:
-            raise ValueError(f"VLLM_DEEPEP_BUFFER_SIZE_MB={envs.VLLM_DEEPEP_BUFFER_SIZE_MB} gives {nvl} "
-                             f"NVLink bytes; DeepEP needs {need} for hidden={hidden} on {num_ranks} ranks")
-        kwargs = dict(num_nvl_bytes=nvl, num_rdma_bytes=deepep_rdma_bytes(hidden, num_ranks))
     else:
-        rdma = check_low_latency_config(max_tokens_per_rank, hidden, num_ranks, num_experts)
-        kwargs = dict(num_nvl_bytes=0, num_rdma_bytes=rdma, low_latency_mode=True,
-                      num_qps_per_rank=num_experts // num_ranks)
+        kwargs = check_deepep_config(backend, num_ranks=num_ranks, max_tokens_per_rank=max_tokens_per_rank,
+                                     hidden=hidden, num_experts=num_experts,
+                                     nvl_bytes=envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20)
+        if backend == "deepep_low_latency":
+            kwargs.update(low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)
 
     key = (group, backend, tuple(sorted(kwargs.items())))
     buffer = _BUFFERS.get(key)
