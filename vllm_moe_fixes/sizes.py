@@ -5,7 +5,9 @@ K the hidden size, E_l the number of local experts.
 
 Contiguous layout (TritonExperts / DeepGemmExperts, see ops/permute.py): M tokens routed to topk
 experts each give M*topk slots; every local expert's segment starts at a multiple of ALIGNMENT
-rows, so M_sum = round_up(M*topk + E_l*(ALIGNMENT-1), ALIGNMENT) rows hold them all.
+rows, so M_sum = round_up(M*topk + E_l*(ALIGNMENT-1), ALIGNMENT) rows hold them all. The layout's
+int32 index vectors (m_indices and src_row [M_sum], dest [M*topk], per-chunk expert counts of at
+most M_sum entries) take at most 4*M_sum int32 = LAYOUT_INDEX_COLUMNS bf16 elements per row.
 
 Batched layout (BatchedTritonExperts / BatchedDeepGemmExperts, see fused_moe/batched_experts.py):
 T rows per local expert slice.
@@ -14,6 +16,7 @@ T rows per local expert slice.
 from __future__ import annotations
 
 ALIGNMENT = 128
+LAYOUT_INDEX_COLUMNS = 8  # bf16 elements per M_sum row holding the layout's int32 index vectors
 
 
 def contiguous_num_rows(num_slots: int, local_num_experts: int) -> int:
@@ -23,9 +26,17 @@ def contiguous_num_rows(num_slots: int, local_num_experts: int) -> int:
 
 
 def contiguous_workspace_shapes(M: int, N: int, K: int, topk: int, local_num_experts: int):
-    """(ws13, ws2, out) element shapes of the contiguous experts for M tokens."""
+    """(ws13, ws2, out) element shapes of the contiguous experts for M tokens.
+
+    ws13 [M_sum, >= 2N] holds GEMM1's output H, then the requantised G' (N fp8 bytes + N/32
+    scale bytes per row), then the reduced output [M, K] when it is not the layer's own output
+    (so its columns also cover M*K / M_sum). ws2 [M_sum, max(N, K) + LAYOUT_INDEX_COLUMNS] holds
+    the permuted input (K fp8 bytes + K/32 scale bytes per row), the SiLU output G [M_sum, N] and
+    GEMM2's output [M_sum, K], followed by the layout's index vectors; out is the reduced [M, K].
+    """
     m_sum = contiguous_num_rows(M * topk, local_num_experts)
-    return (m_sum, max(2 * N, K)), (m_sum, max(N, K)), (M, topk, K)
+    ws13 = (m_sum, max(2 * N, -(-M * K // m_sum)))
+    return ws13, (m_sum, max(N, K) + LAYOUT_INDEX_COLUMNS), (M, K)
 
 
 def batched_workspace_shapes(T: int, N: int, K: int, local_num_experts: int):
@@ -41,10 +52,22 @@ def batched_workspace_shapes(T: int, N: int, K: int, local_num_experts: int):
 
 
 def layer_declared_bytes(M: int, N: int, K: int, topk: int, local_num_experts: int) -> int:
-    """Bytes one contiguous-layout layer call (NoEP + TritonExperts / DeepGemmExperts) allocates
-    on top of inputs and weights, small index vectors aside: the two bf16 workspaces, the returned
-    bf16 output [M, K], and prepare's quantised input (fp8 [M, K]) and its float32 scales
-    [M, K/128]."""
+    """Bytes one contiguous-layout layer call (NoEP + TritonExperts / DeepGemmExperts) of M tokens
+    in one pass allocates on top of inputs and weights: the two bf16 workspaces (index vectors
+    included), the returned bf16 output [M, K], and prepare's quantised input (fp8 [M, K]) and its
+    float32 scales [M, K/128]."""
     ws13, ws2, _ = contiguous_workspace_shapes(M, N, K, topk, local_num_experts)
     workspaces = 2 * (ws13[0] * ws13[1] + ws2[0] * ws2[1])
     return workspaces + 2 * M * K + M * K + 4 * M * (K // ALIGNMENT)
+
+
+def expected_rows_per_expert(max_tokens_per_rank: int | None, num_dispatchers: int, topk: int,
+                             num_experts: int, rows_per_expert: int) -> int:
+    """Rows a local expert receives on average when every rank dispatches its full capacity:
+    max_tokens_per_rank * num_dispatchers * topk / num_experts, bounded to [1, rows_per_expert]
+    (T, the slice's capacity; also the answer when max_tokens_per_rank is None). The batched
+    experts pass it to DeepGEMM's masked GEMM as its tiling hint (expected_m)."""
+    if max_tokens_per_rank is None:
+        return max(1, rows_per_expert)
+    rows = max_tokens_per_rank * num_dispatchers * topk // num_experts
+    return max(1, min(rows_per_expert, rows))

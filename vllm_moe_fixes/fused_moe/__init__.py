@@ -10,6 +10,7 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPLLPrepareAndFinalize,
 )
 from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts, select_experts
+from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
     Experts,
@@ -25,4 +26,4 @@ __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
            "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize", "DeepGemmExperts", "Experts",
            "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize", "PrepareResult",
            "TritonExperts", "Workspaces", "fused_topk", "moe_reference", "select_batched_experts",
-           "select_experts"]
+           "select_experts", "select_experts_of"]

@@ -26,22 +26,18 @@ copy (E_l*T*N/32 bytes) moves them into the MN-major region. No per-call allocat
 
 from __future__ import annotations
 
-import logging
 from abc import abstractmethod
 
 import torch
 
-from vllm_moe_fixes import envs
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
-from vllm_moe_fixes.fused_moe.modular_kernel import BLOCK, FP8_DTYPE, ActivationFormat, Experts
+from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.activation import silu_and_mul
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_masked
 from vllm_moe_fixes.sizes import batched_workspace_shapes
-
-logger = logging.getLogger(__name__)
-
-_warned_shapes: set[tuple[int, int]] = set()  # (N, K) already warned about by select_*
 
 
 def quant_batched_fp8(x: torch.Tensor, out_q: torch.Tensor | None = None,
@@ -54,13 +50,13 @@ def quant_batched_fp8(x: torch.Tensor, out_q: torch.Tensor | None = None,
     per-expert MN-major directly, see the module docstring); each allocated when None.
     """
     e, t, k = x.shape
-    q, s = per_token_group_quant_fp8(x.reshape(e * t, k), BLOCK,
+    q, s = per_token_group_quant_fp8(x.reshape(e * t, k), SCALE_BLOCK,
                                      out_q=None if out_q is None else out_q.view(e * t, k),
                                      out_s=tmp_s)
     if out_s is None:
-        out_s = torch.empty(e, k // BLOCK, t, dtype=torch.float32,
+        out_s = torch.empty(e, k // SCALE_BLOCK, t, dtype=torch.float32,
                             device=x.device).transpose(1, 2)
-    out_s.copy_(s.view(e, t, k // BLOCK))
+    out_s.copy_(s.view(e, t, k // SCALE_BLOCK))
     return q.view(e, t, k), out_s
 
 
@@ -82,9 +78,12 @@ class BatchedExperts(Experts):
         return batched_workspace_shapes(M, N, K, local_num_experts)
 
     def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
-              activation, workspace13, workspace2, expert_num_tokens) -> None:
+              activation, workspace13, workspace2, expert_num_tokens, *, topk_weights=None,
+              expected_m=None) -> None:
         """a1q fp8 [E_l, T, K], a1q_scale f32 [E_l, T, K/128]; expert_num_tokens int32 [E_l];
-        output bf16 [E_l, T, K] (valid rows written). topk_ids / expert_map are not needed."""
+        output bf16 [E_l, T, K] (valid rows written). expected_m: rows per expert the caller
+        expects on average (the masked GEMM's tiling hint), None = T. topk_ids, expert_map and
+        topk_weights are not needed: the combine after the experts weights and reduces."""
         if activation != "silu":  # (tests/test_ep_kernel.py calls apply directly)
             raise ValueError(f"activation must be 'silu', got {activation!r}")
         if expert_num_tokens is None:
@@ -93,14 +92,15 @@ class BatchedExperts(Experts):
         n = w2.shape[2]
         masked_m = expert_num_tokens.to(torch.int32).contiguous()
         h = workspace13.view(-1)[:e_l * t * 2 * n].view(e_l, t, 2 * n)
-        self.gemm((a1q, a1q_scale), (w1, w1_scale), h, masked_m, t)
+        expected_m = t if expected_m is None else expected_m
+        self.gemm((a1q, a1q_scale), (w1, w1_scale), h, masked_m, expected_m)
         g = workspace2.view(-1)[:e_l * t * n].view(e_l, t, n)
         silu_and_mul(h.view(e_l * t, 2 * n), out=g.view(e_l * t, n))
         # G' right after Y's bytes, then its MN-major scales. The row-major scales the quant
         # kernel writes first go to the start of ws13 (H, dead after silu_and_mul; Y's bytes,
         # written only by GEMM2), and are dead once copied into the MN-major view.
         ws = workspace13.view(-1).view(torch.uint8)
-        groups = n // BLOCK
+        groups = n // SCALE_BLOCK
         start = _align16(e_l * t * output.shape[2] * output.element_size())
         g_q = ws[start:start + e_l * t * n].view(FP8_DTYPE).view(e_l, t, n)
         s_start = _align16(start + e_l * t * n)
@@ -109,7 +109,7 @@ class BatchedExperts(Experts):
         tmp_s = ws[:s_bytes].view(torch.float32).view(e_l * t, groups) if s_bytes <= start \
             else None  # (only when N > 64K)
         g_q, g_s = quant_batched_fp8(g, out_q=g_q, out_s=g_s.transpose(1, 2), tmp_s=tmp_s)
-        self.gemm((g_q, g_s), (w2, w2_scale), output, masked_m, t)
+        self.gemm((g_q, g_s), (w2, w2_scale), output, masked_m, expected_m)
 
 
 class BatchedTritonExperts(BatchedExperts):
@@ -122,8 +122,9 @@ class BatchedTritonExperts(BatchedExperts):
 class BatchedDeepGemmExperts(BatchedExperts):
     """Batched experts on DeepGEMM's masked grouped FP8 GEMM (N, K multiples of 128).
 
-    expected_m (DeepGEMM's tiling hint) is T, an upper bound, so no count is read on the host.
-    Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and DeepGEMM) when DeepGEMM is not usable.
+    expected_m (DeepGEMM's tiling hint) is what the modular kernel passes: the average rows per
+    expert at full dispatch capacity (vllm_moe_fixes.sizes.expected_rows_per_expert), computed on
+    the host without reading a count. Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and DeepGEMM) when DeepGEMM is not usable.
     """
 
     def __init__(self) -> None:
@@ -134,27 +135,13 @@ class BatchedDeepGemmExperts(BatchedExperts):
 
 
 def select_batched_experts(intermediate_size: int, hidden_size: int) -> BatchedExperts:
-    """The batched experts the environment asks for (mirrors experts.select_experts):
-    BatchedDeepGemmExperts when VLLM_USE_DEEP_GEMM, else BatchedTritonExperts.
+    """The batched experts the environment asks for: BatchedDeepGemmExperts when
+    VLLM_USE_DEEP_GEMM, else BatchedTritonExperts (see `select_experts_of` for the errors and the
+    warning on sizes that are not multiples of 128).
 
     Args:
         intermediate_size: N = I (w1 is [E_l, 2N, K], w2 is [E_l, K, N]).
         hidden_size: K.
-
-    With VLLM_USE_DEEP_GEMM=1: DeepGEMM not importable -> RuntimeError naming VLLM_USE_DEEP_GEMM
-    and DeepGEMM; N or K not a multiple of 128 -> BatchedTritonExperts with one logged warning per
-    shape, but no backend runs such a layer: the kernel's validation then raises a ValueError.
     """
-    if not envs.VLLM_USE_DEEP_GEMM:
-        return BatchedTritonExperts()
-    _deep_gemm.require("VLLM_USE_DEEP_GEMM=1 (BatchedDeepGemmExperts)")
-    if intermediate_size % BLOCK or hidden_size % BLOCK:
-        shape = (intermediate_size, hidden_size)
-        if shape not in _warned_shapes:
-            _warned_shapes.add(shape)
-            logger.warning("VLLM_USE_DEEP_GEMM=1 but N=%d, K=%d are not multiples of %d: no "
-                           "backend (DeepGEMM or Triton) supports such a layer; returning "
-                           "BatchedTritonExperts, and running the layer will raise a ValueError",
-                           intermediate_size, hidden_size, BLOCK)
-        return BatchedTritonExperts()
-    return BatchedDeepGemmExperts()
+    return select_experts_of(BatchedTritonExperts, BatchedDeepGemmExperts, intermediate_size,
+                             hidden_size)

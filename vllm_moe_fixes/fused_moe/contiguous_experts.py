@@ -3,44 +3,45 @@
 `TritonExperts` and `DeepGemmExperts` share everything but the GEMM call. One `apply`:
 
     step                      reads                    writes (all inside the two workspaces)
+    layout (2 kernels)        topk_ids [M, k]          int32 index vectors     (tail of ws2)
     permute a1q               a1q [M, K] fp8           A  fp8 [M_sum, K] + scales  (bytes of ws2)
     GEMM1 (w1)                A                        H  bf16 [M_sum, 2N]         (ws13)
     silu_and_mul              H                        G  bf16 [M_sum, N]          (ws2)
     requantise                G                        G' fp8 [M_sum, N]           (bytes of ws13)
     GEMM2 (w2)                G'                       Y  bf16 [M_sum, K]          (ws2)
-    un-permute                Y                        output [M, k, K]            (start of ws13)
+    un-permute + reduce       Y, topk_weights          output [M, K]
 
-Each step reads only the buffer the previous one wrote, so two buffers of M_sum x max(2N, K) and
-M_sum x max(N, K) bf16 elements suffice (ws2 holds A's M_sum*K*(1 + 1/32) bytes in its
-2*M_sum*max(N, K); ws13 holds G' and its MN-major scales, M_sum*N*(1 + 1/32) bytes, in its
-2*M_sum*max(2N, K)). M_sum counts the LOCAL experts (ops/permute.py); the shapes are
-vllm_moe_fixes.sizes.contiguous_workspace_shapes. The only per-call allocations are the index
-vectors of the layout.
+Each step reads only what the previous ones wrote, so two buffers suffice (shapes in
+vllm_moe_fixes.sizes.contiguous_workspace_shapes): ws2 holds A's M_sum*K*(1 + 1/32) bytes in its
+2*M_sum*max(N, K), and after them the layout's index vectors, which live through the whole call;
+ws13 holds H, then G' and its MN-major scales (M_sum*N*(1 + 1/32) bytes). The output is the
+layer's output or a view of the start of ws13 (dead once G' is read). M_sum counts the LOCAL
+experts (ops/permute.py). No allocation per call.
+
+The experts reduce: the un-permute reads each token's k rows of Y through the layout and sums them
+with the router weights (`reduces_output`), so finalize receives [M, K].
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from abc import abstractmethod
 
 import torch
 
-from vllm_moe_fixes import envs
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
-from vllm_moe_fixes.fused_moe.modular_kernel import BLOCK, FP8_DTYPE, ActivationFormat, Experts
+from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
 from vllm_moe_fixes.ops.activation import silu_and_mul
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous
 from vllm_moe_fixes.ops.permute import (
-    ALIGNMENT,
     build_contiguous_layout,
     permute_rows,
-    unpermute_rows,
+    unpermute_reduce,
 )
-from vllm_moe_fixes.sizes import contiguous_workspace_shapes
-
-logger = logging.getLogger(__name__)
+from vllm_moe_fixes.sizes import ALIGNMENT, LAYOUT_INDEX_COLUMNS, contiguous_workspace_shapes
 
 
 def _byte_view(ws: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
@@ -53,14 +54,22 @@ def _fp8_with_mn_major_scales(ws: torch.Tensor, rows: int, cols: int):
     """fp8 [rows, cols] at the start of ws, then float32 scales [rows, cols/128] with strides
     (1, rows) right after (rows is a multiple of 128, so the scales are 16-byte aligned)."""
     q = _byte_view(ws, 0, (rows, cols), FP8_DTYPE)
-    s = _byte_view(ws, rows * cols, (cols // BLOCK, rows), torch.float32).t()
+    s = _byte_view(ws, rows * cols, (cols // SCALE_BLOCK, rows), torch.float32).t()
     return q, s
+
+
+def _index_buffer(ws2: torch.Tensor) -> torch.Tensor:
+    """The int32 view of ws2's last LAYOUT_INDEX_COLUMNS columns (4 int32 per M_sum row)."""
+    m_sum = ws2.shape[0]
+    n = m_sum * LAYOUT_INDEX_COLUMNS
+    return ws2.view(-1)[ws2.numel() - n:].view(torch.int32)
 
 
 class ContiguousExperts(Experts):
     """Shared body of TritonExperts and DeepGemmExperts; subclasses provide `gemm`."""
 
     activation_format = ActivationFormat.STANDARD
+    reduces_output = True
 
     @abstractmethod
     def gemm(self, a: tuple[torch.Tensor, torch.Tensor], w: tuple[torch.Tensor, torch.Tensor],
@@ -71,11 +80,13 @@ class ContiguousExperts(Experts):
         return contiguous_workspace_shapes(M, N, K, topk, local_num_experts)
 
     def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
-              activation, workspace13, workspace2, expert_num_tokens) -> None:
+              activation, workspace13, workspace2, expert_num_tokens, *, topk_weights=None,
+              expected_m=None) -> None:
+        """output bf16 [M, K] (written: the weighted sum of each token's k expert rows; slots
+        with no local expert add 0); topk_weights float32 [M, k] or None (plain sum)."""
         E_l, K, N = w2.shape
-        layout = build_contiguous_layout(topk_ids, E_l, expert_map)
+        layout = build_contiguous_layout(topk_ids, E_l, expert_map, out=_index_buffer(workspace2))
         m_sum = layout.m_indices.shape[0]
-
         a_q, a_s = _fp8_with_mn_major_scales(workspace2, m_sum, K)
         permute_rows(a1q, a1q_scale, layout, a_q, a_s)
         h = workspace13.view(-1)[:m_sum * 2 * N].view(m_sum, 2 * N)
@@ -83,11 +94,11 @@ class ContiguousExperts(Experts):
         g = workspace2.view(-1)[:m_sum * N].view(m_sum, N)
         silu_and_mul(h, out=g)
         g_q, g_s = _fp8_with_mn_major_scales(workspace13, m_sum, N)
-        per_token_group_quant_fp8(g, BLOCK, column_major_scales=True, tma_aligned_scales=True,
-                                  out_q=g_q, out_s=g_s)
+        per_token_group_quant_fp8(g, SCALE_BLOCK, column_major_scales=True,
+                                  tma_aligned_scales=True, out_q=g_q, out_s=g_s)
         y = workspace2.view(-1)[:m_sum * K].view(m_sum, K)
         self.gemm((g_q, g_s), (w2, w2_scale), y, layout.m_indices)
-        unpermute_rows(y, layout, output)
+        unpermute_reduce(y, layout.dest, topk_weights, output)
 
 
 class TritonExperts(ContiguousExperts):
@@ -115,31 +126,13 @@ class DeepGemmExperts(ContiguousExperts):
         _deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices)
 
 
-_warned_shapes: set[tuple[int, int]] = set()
-
-
 def select_experts(intermediate_size: int, hidden_size: int) -> ContiguousExperts:
-    """The experts the environment asks for: DeepGemmExperts when VLLM_USE_DEEP_GEMM, else Triton.
+    """The contiguous-layout experts the environment asks for: DeepGemmExperts when
+    VLLM_USE_DEEP_GEMM, else TritonExperts (see `select_experts_of` for the errors and the
+    warning on sizes that are not multiples of 128).
 
     Args:
         intermediate_size: N = I (w1 is [E_l, 2N, K], w2 is [E_l, K, N]).
         hidden_size: K.
-
-    Returns DeepGemmExperts or TritonExperts. With VLLM_USE_DEEP_GEMM=1: DeepGEMM not importable
-    -> RuntimeError naming VLLM_USE_DEEP_GEMM and DeepGEMM; N or K not a multiple of 128 ->
-    TritonExperts with one logged warning per shape, but no backend runs such a layer: the
-    kernel's validation then raises a ValueError naming the sizes.
     """
-    if not envs.VLLM_USE_DEEP_GEMM:
-        return TritonExperts()
-    _deep_gemm.require("VLLM_USE_DEEP_GEMM=1 (DeepGemmExperts)")
-    if intermediate_size % BLOCK or hidden_size % BLOCK:
-        shape = (intermediate_size, hidden_size)
-        if shape not in _warned_shapes:
-            _warned_shapes.add(shape)
-            logger.warning("VLLM_USE_DEEP_GEMM=1 but N=%d, K=%d are not multiples of %d: no "
-                           "backend (DeepGEMM or Triton) supports such a layer; returning "
-                           "TritonExperts, and running the layer will raise a ValueError",
-                           intermediate_size, hidden_size, BLOCK)
-        return TritonExperts()
-    return DeepGemmExperts()
+    return select_experts_of(TritonExperts, DeepGemmExperts, intermediate_size, hidden_size)

@@ -1,20 +1,26 @@
 """The modular MoE kernel: prepare -> experts -> finalize, with workspaces owned by the kernel.
 
 A `PrepareAndFinalize` quantises (and, with expert parallelism, dispatches) the input and later
-reduces (and combines) the experts' output; an `Experts` runs the two grouped GEMMs. The kernel
-checks that both speak the same `ActivationFormat`, asks the experts how much scratch they need
+combines the experts' output; an `Experts` runs the two grouped GEMMs and, when it declares
+`reduces_output`, also weights and sums each token's top-k rows. The kernel checks that both
+speak the same `ActivationFormat`, asks the experts how much scratch they need
 (`workspace_shapes`) and hands them views of two grow-only buffers that it keeps across calls:
 a second call with the same or a smaller problem allocates no workspace.
 
+    for each chunk of at most VLLM_FUSED_MOE_CHUNK_SIZE tokens (same workspaces every time):
+        hidden_states[chunk] --prepare--> a1q, a1q_scale (+ received ids/weights with EP)
+            --experts.apply--> [M', K] reduced (or [M', k, K] / [E_l, T, K] unreduced)
+            --finalize--> output[chunk]
+
 Memory of one call, counted on top of the inputs and weights:
-    workspace13 + workspace2 (declared by the experts, bf16 elements; kept across calls)
+    workspace13 + workspace2 (declared by the experts for one chunk, bf16 elements; kept)
     + the returned output [M, K]
-    + what prepare allocates (NoEP: a1q fp8 [M, K] and a1q_scale f32 [M, K/128])
-    + small per-call tensors of the experts (the contiguous layout's index vectors).
-(vllm_moe_fixes.sizes.layer_declared_bytes adds these up, the index vectors aside.)
-The experts' unreduced output (`fused_out`, out_shape) is a view of the start of workspace13, so it
-costs nothing extra: an Experts implementation must finish reading workspace13 before it writes
-`output` (or place what it still needs past out_shape's element count).
+    + what prepare allocates for one chunk (NoEP: a1q fp8 [M_c, K], a1q_scale f32 [M_c, K/128]).
+(vllm_moe_fixes.sizes.layer_declared_bytes adds these up for one chunk.) The experts' output
+(out_shape) is a view of the start of workspace13, so it costs nothing extra: an Experts
+implementation must finish reading workspace13 before it writes `output`. When the experts reduce
+and the prepare/finalize has nothing to combine (`passes_reduced_output_through`), the experts
+write the layer's output directly.
 """
 
 from __future__ import annotations
@@ -26,10 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_moe_fixes import envs
 from vllm_moe_fixes._validate import check as _check
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
+from vllm_moe_fixes.ops.permute import check_routing_ranges
+from vllm_moe_fixes.sizes import expected_rows_per_expert
 
-FP8_DTYPE = torch.float8_e4m3fn
-BLOCK = 128  # scale block of weights (128x128) and activations (1x128)
+BLOCK = SCALE_BLOCK  # the 128x128 weight / 1x128 activation scale block, by its short name
+_ID_DTYPES = (torch.int32, torch.int64)
 
 
 class ActivationFormat(enum.Enum):
@@ -45,8 +55,8 @@ class PrepareResult:
 
     a1q: float8_e4m3fn, STANDARD [M', K] / BATCHED [E_l, T, K].
     a1q_scale: float32 [M', K/128] / [E_l, T, K/128] (any strides).
-    topk_ids: STANDARD: int64 [M', k] GLOBAL expert ids, -1 = not on this rank; None = keep the
-        caller's. The kernel passes these to the experts and to finalize.
+    topk_ids: STANDARD: int32/int64 [M', k] GLOBAL expert ids, -1 = not on this rank; None =
+        keep the caller's. The kernel passes these to the experts and to finalize.
     topk_weights: STANDARD: float32 [M', k] (0 where the id is -1); None = keep the caller's.
     expert_num_tokens: BATCHED: int32 [E_l] valid rows per expert slice; None for STANDARD.
     """
@@ -59,25 +69,40 @@ class PrepareResult:
 
 
 class PrepareAndFinalize(ABC):
-    """Quantise/dispatch before the experts, weight/reduce/combine after them."""
+    """Quantise/dispatch before the experts, weight/reduce/combine after them.
+
+    passes_reduced_output_through: True when finalize has nothing to do with an output the
+    experts already reduced (no combine): the kernel then lets such experts write the layer's
+    output directly, and finalize receives that same tensor.
+    """
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+    passes_reduced_output_through: bool = False
 
     @abstractmethod
     def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 num_experts: int, expert_map: torch.Tensor | None,
                 apply_router_weight_on_input: bool) -> PrepareResult:
-        """a1: bf16 [M, K]; topk_weights: float32 [M, k]; topk_ids: int64 [M, k] global ids;
-        num_experts: global expert count E; expert_map: int32 [E] global -> local id or -1, or
-        None; apply_router_weight_on_input: scale a1 by the (k == 1) weight before quantising."""
+        """a1: bf16 [M, K] (M may be 0: a rank with fewer tokens runs empty chunks so that the
+        collectives match); topk_weights: float32 [M, k]; topk_ids: int32 or int64 [M, k] global
+        ids (-1: no expert); num_experts: global expert count E; expert_map: int32 [E] global ->
+        local id or -1, or None; apply_router_weight_on_input: scale a1 by the (k == 1) weight
+        before quantising."""
 
     @abstractmethod
     def finalize(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 apply_router_weight_on_input: bool) -> None:
-        """Write output bf16 [M, K] (the caller's token count). fused_expert_output is STANDARD
-        [M', k, K] (one row per slot, unreduced; may be modified in place) or BATCHED [E_l, T, K].
-        topk_weights / topk_ids are PrepareResult's when it gave them, else the caller's."""
+                 apply_router_weight_on_input: bool, *, output_is_reduced: bool = False) -> None:
+        """Write output bf16 [M, K] (this chunk's tokens of the caller).
+
+        fused_expert_output: STANDARD: [M', K] already weighted and summed over the k slots when
+        output_is_reduced (the experts' `reduces_output`; it may be `output` itself when
+        passes_reduced_output_through), else [M', k, K] one row per slot, unreduced (slots with
+        id -1 exact zeros; may be modified in place). BATCHED: [E_l, T, K] (output_is_reduced is
+        False). topk_weights / topk_ids are PrepareResult's when it gave them, else the caller's.
+        apply_router_weight_on_input: the weights went on the input; an unreduced output is then
+        summed without them.
+        """
 
     def max_num_tokens_per_rank(self) -> int | None:
         """Upper bound on tokens per rank per call (sizes batched layouts), or None."""
@@ -87,17 +112,38 @@ class PrepareAndFinalize(ABC):
         """Ranks that send tokens to this one."""
         return 1
 
+    def num_chunks(self, num_tokens: int, chunk_size: int,
+                   max_tokens_across_ranks: int | None) -> int:
+        """Passes of the experts for a call of num_tokens tokens, at most chunk_size per pass.
+
+        Every rank of an expert-parallel group must return the same number (each pass is one
+        dispatch and one combine); a rank with fewer tokens runs empty passes. Default:
+        cdiv(max_tokens_across_ranks, chunk_size) when the caller gives the group's maximum;
+        else cdiv(num_tokens, chunk_size) alone (one rank), and one pass with expert parallelism
+        (no count is agreed without a collective: an expert-parallel subclass overrides this).
+        """
+        if max_tokens_across_ranks is not None:
+            return -(-max_tokens_across_ranks // chunk_size)
+        if self.num_dispatchers() == 1:
+            return -(-num_tokens // chunk_size)
+        return 1
+
 
 class Experts(ABC):
-    """Grouped FP8 expert GEMMs: GEMM1 (w1) -> SiLU(gate) * up -> GEMM2 (w2)."""
+    """Grouped FP8 expert GEMMs: GEMM1 (w1) -> SiLU(gate) * up -> GEMM2 (w2).
+
+    reduces_output: True when apply also weights and sums each token's k slots (STANDARD only):
+    out_shape is then [M', K] and finalize gets output_is_reduced=True.
+    """
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
+    reduces_output: bool = False
 
     @abstractmethod
     def workspace_shapes(self, M: int, N: int, K: int, topk: int,
                          local_num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...],
                                                           tuple[int, ...]]:
-        """Element shapes (ws13, ws2, out) of the bf16 workspaces and of the unreduced output.
+        """Element shapes (ws13, ws2, out) of the bf16 workspaces and of the experts' output.
 
         M: rows of a1q (STANDARD) or T, rows per expert slice (BATCHED); N: intermediate size I
         (w1 [E_l, 2N, K], w2 [E_l, K, N]); K: hidden size; topk: k; local_num_experts: E_l.
@@ -108,14 +154,19 @@ class Experts(ABC):
               w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor, w2_scale: torch.Tensor,
               topk_ids: torch.Tensor | None, expert_map: torch.Tensor | None, activation: str,
               workspace13: torch.Tensor, workspace2: torch.Tensor,
-              expert_num_tokens: torch.Tensor | None) -> None:
-        """Write output (out_shape, bf16; a view of the start of workspace13's storage).
+              expert_num_tokens: torch.Tensor | None, *, topk_weights: torch.Tensor | None = None,
+              expected_m: int | None = None) -> None:
+        """Write output (out_shape, bf16): a view of the start of workspace13's storage, or the
+        layer's output when the experts reduce and finalize passes it through.
 
         a1q / a1q_scale: PrepareResult's; w1 fp8 [E_l, 2N, K], w1_scale f32 [E_l, 2N/128, K/128],
-        w2 fp8 [E_l, K, N], w2_scale f32 [E_l, K/128, N/128]; topk_ids int64 [M', k] global ids
-        (STANDARD); expert_map int32 [E] or None; activation "silu"; workspace13 / workspace2 bf16
-        views of the declared shapes (contents undefined on entry); expert_num_tokens int32 [E_l]
-        (BATCHED). STANDARD: slots of non-local experts must come out as exact zeros.
+        w2 fp8 [E_l, K, N], w2_scale f32 [E_l, K/128, N/128]; topk_ids int32/int64 [M', k] global
+        ids (STANDARD); expert_map int32 [E] or None; activation "silu"; workspace13 / workspace2
+        bf16 views of the declared shapes (contents undefined on entry); expert_num_tokens int32
+        [E_l] (BATCHED); topk_weights float32 [M', k] to weight the slots by when the experts
+        reduce (None: plain sum, the weights went on the input); expected_m: average rows per
+        local expert the dispatch can produce (BATCHED tiling hint), None = unknown.
+        STANDARD: slots of non-local experts contribute exact zeros.
         """
 
 
@@ -177,7 +228,8 @@ class FusedMoEModularKernel:
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, w1_scale: torch.Tensor,
                  w2_scale: torch.Tensor, global_num_experts: int,
                  expert_map: torch.Tensor | None = None, activation: str = "silu",
-                 apply_router_weight_on_input: bool = False) -> torch.Tensor:
+                 apply_router_weight_on_input: bool = False,
+                 max_tokens_across_ranks: int | None = None) -> torch.Tensor:
         """Run the layer.
 
         Args:
@@ -185,56 +237,88 @@ class FusedMoEModularKernel:
             w1: float8_e4m3fn [E_l, 2I, K] (rows 0..I-1 gate, I..2I-1 up), contiguous.
             w2: float8_e4m3fn [E_l, K, I], contiguous.
             topk_weights: float32 [M, k].
-            topk_ids: int64 [M, k], global expert ids in [0, global_num_experts) (values are not
-                checked: that would synchronise with the device).
+            topk_ids: int32 or int64 [M, k], global expert ids in [-1, global_num_experts);
+                -1 means "no expert": the slot contributes nothing (DeepEP's convention).
             w1_scale: float32 [E_l, 2I/128, K/128]; w2_scale: float32 [E_l, K/128, I/128].
             global_num_experts: E.
-            expert_map: int32 [E], global -> local id or -1; None: all experts local (E == E_l).
+            expert_map: int32 [E], global -> local id in [-1, E_l); None: all experts local
+                (E == E_l).
             activation: "silu" (the only one).
             apply_router_weight_on_input: multiply the input by the weight (needs k == 1) instead
                 of the experts' output.
+            max_tokens_across_ranks: with expert parallelism, the largest M of the group's ranks
+                for this call, if the caller knows it (then the number of chunks is agreed
+                without a collective); None otherwise.
 
         Returns:
             bfloat16 [M, K]: sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(hidden_states),
             where a non-local expert contributes exactly zero.
+
+        Raises ValueError on malformed arguments, and on ids or expert_map entries out of range:
+        always for CPU tensors; for CUDA tensors only with VLLM_MOE_CHECK_IDS=1, because the
+        check reads the values (a host synchronisation per call, which also cannot be captured
+        in a CUDA graph). Unchecked, an out-of-range id counts as non-local on the one-rank path.
+
+        Tokens are processed in chunks of at most VLLM_FUSED_MOE_CHUNK_SIZE (and at most the
+        prepare/finalize's max_num_tokens_per_rank), reusing the same workspaces: the result
+        does not depend on the chunk size.
         """
         self._validate(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
-                       global_num_experts, expert_map, activation, apply_router_weight_on_input)
-        M, K = hidden_states.shape
-        pf, experts = self.prepare_finalize, self.experts
-        if M == 0 and pf.num_dispatchers() == 1:
-            # Alone, there is nothing to do. With expert parallelism an empty rank must still take
-            # part in the collective dispatch and combine, or every other rank waits forever.
-            return hidden_states.new_empty((0, K))
-        E_l, N = w1.shape[0], w2.shape[2]
-        topk = topk_ids.shape[1]
+                       global_num_experts, expert_map, activation, apply_router_weight_on_input,
+                       max_tokens_across_ranks)
+        M = hidden_states.shape[0]
+        pf = self.prepare_finalize
+        chunk = envs.VLLM_FUSED_MOE_CHUNK_SIZE
+        capacity = pf.max_num_tokens_per_rank()
+        if capacity is not None:
+            chunk = min(chunk, capacity)
+        num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks)
+        step = max(chunk, -(-M // num_chunks)) if num_chunks else chunk
+        output = torch.empty_like(hidden_states)
+        for i in range(num_chunks):
+            rows = slice(min(i * step, M), min((i + 1) * step, M))
+            self._run_chunk(hidden_states[rows], w1, w2, topk_weights[rows], topk_ids[rows],
+                            w1_scale, w2_scale, global_num_experts, expert_map, activation,
+                            apply_router_weight_on_input, output[rows])
+        return output
 
-        prep = pf.prepare(hidden_states, topk_weights, topk_ids, global_num_experts, expert_map,
-                          apply_router_weight_on_input)
+    def _run_chunk(self, x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
+                   global_num_experts, expert_map, activation, on_input, output) -> None:
+        """prepare -> experts -> finalize for one chunk of tokens (validated arguments)."""
+        pf, experts = self.prepare_finalize, self.experts
+        E_l, N, K = w1.shape[0], w2.shape[2], x.shape[1]
+        topk = topk_ids.shape[1]
+        prep = pf.prepare(x, topk_weights, topk_ids, global_num_experts, expert_map, on_input)
         if prep.topk_ids is not None:
             topk_ids = prep.topk_ids
         if prep.topk_weights is not None:
             topk_weights = prep.topk_weights
-        rows = prep.a1q.shape[0] if experts.activation_format == ActivationFormat.STANDARD \
-            else prep.a1q.shape[1]
+        standard = experts.activation_format == ActivationFormat.STANDARD
+        rows = prep.a1q.shape[0] if standard else prep.a1q.shape[1]
         ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(rows, N, K, topk, E_l)
-        ws13, ws2 = self.workspaces.get(ws13_shape, ws2_shape, hidden_states.device,
-                                        hidden_states.dtype)
-        if math.prod(out_shape) > ws13.numel():
-            raise ValueError(f"{type(experts).__name__}.workspace_shapes: out_shape {out_shape} "
-                             f"does not fit in workspace13 {ws13_shape}")
-        fused_out = ws13.view(-1)[:math.prod(out_shape)].view(out_shape)
-
-        output = torch.empty_like(hidden_states)
+        ws13, ws2 = self.workspaces.get(ws13_shape, ws2_shape, x.device, x.dtype)
+        reduced = experts.reduces_output
+        if reduced and pf.passes_reduced_output_through:
+            fused_out = output
+        else:
+            if math.prod(out_shape) > ws13.numel():
+                raise ValueError(f"{type(experts).__name__}.workspace_shapes: out_shape "
+                                 f"{out_shape} does not fit in workspace13 {ws13_shape}")
+            fused_out = ws13.view(-1)[:math.prod(out_shape)].view(out_shape)
         if rows > 0:  # rows == 0: out_shape has a zero dimension, fused_out is empty
+            expected_m = None if standard else expected_rows_per_expert(
+                pf.max_num_tokens_per_rank(), pf.num_dispatchers(), topk, global_num_experts,
+                rows)
             experts.apply(fused_out, prep.a1q, prep.a1q_scale, w1, w2, w1_scale, w2_scale,
-                          topk_ids, expert_map, activation, ws13, ws2, prep.expert_num_tokens)
-        pf.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input)
-        return output
+                          topk_ids, expert_map, activation, ws13, ws2, prep.expert_num_tokens,
+                          topk_weights=None if on_input else topk_weights, expected_m=expected_m)
+        pf.finalize(output, fused_out, topk_weights, topk_ids, on_input,
+                    output_is_reduced=reduced)
 
     @staticmethod
     def _validate(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
-                  expert_map, activation, apply_router_weight_on_input) -> None:
+                  expert_map, activation, apply_router_weight_on_input,
+                  max_tokens_across_ranks) -> None:
         for name, t in (("hidden_states", x), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights),
                         ("topk_ids", topk_ids), ("w1_scale", w1_scale), ("w2_scale", w2_scale)):
             _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t)}")
@@ -258,8 +342,9 @@ class FusedMoEModularKernel:
                               ("w2_scale", w2_scale, (E_l, K // BLOCK, N // BLOCK))):
             _check(s.dtype == torch.float32 and _shape(s) == want,
                    f"{name} must be float32 {want} (128x128 blocks), got {s.dtype} {_shape(s)}")
-        _check(topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype == torch.int64,
-               f"topk_ids must be int64 [M={M}, k], got {topk_ids.dtype} {_shape(topk_ids)}")
+        _check(topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype in _ID_DTYPES,
+               f"topk_ids must be int32 or int64 [M={M}, k], got {topk_ids.dtype} "
+               f"{_shape(topk_ids)}")
         topk = topk_ids.shape[1]
         _check(topk >= 1, "topk_ids must have k >= 1 columns")
         _check(topk_weights.dtype == torch.float32 and _shape(topk_weights) == (M, topk),
@@ -283,3 +368,9 @@ class FusedMoEModularKernel:
             tensors.append(expert_map)
         devices = {t.device for t in tensors}
         _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+        _check(max_tokens_across_ranks is None or (
+            isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M),
+            f"max_tokens_across_ranks must be None or an int >= M={M}, got "
+            f"{max_tokens_across_ranks!r}")
+        if not x.is_cuda or envs.VLLM_MOE_CHECK_IDS:
+            check_routing_ranges(topk_ids, global_num_experts, expert_map, E_l)

@@ -1,4 +1,5 @@
-"""Prepare/finalize without expert parallelism: quantise in, weight and reduce out."""
+"""Prepare/finalize without expert parallelism: quantise in; out, nothing left to do when the
+experts reduce (they write the layer's output), else a weighted moe_sum."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from vllm_moe_fixes.fused_moe.modular_kernel import (
     PrepareAndFinalize,
     PrepareResult,
 )
+from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 
@@ -16,20 +18,27 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
 
     prepare: a1q, a1q_scale = per-token 1x128 FP8 quantisation of a1 (a1 * weight first when
     apply_router_weight_on_input); topk_ids / topk_weights pass through unchanged.
-    finalize: output = sum over the k slots of fused_expert_output [M, k, K] times topk_weights
-    (weights unless they were applied on the input): one weighted moe_sum pass, float32 math.
+    finalize: an output the experts reduced is already the layer's output
+    (passes_reduced_output_through; copied only if it is another tensor); an unreduced
+    [M, k, K] is summed over the k slots times topk_weights (weights unless they were applied on
+    the input): one weighted moe_sum pass, float32 math.
     """
 
     activation_format = ActivationFormat.STANDARD
+    passes_reduced_output_through = True
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:
         if apply_router_weight_on_input:
             a1 = a1 * topk_weights.to(a1.dtype)  # k == 1: [M, 1] broadcasts over K
-        a1q, a1q_scale = per_token_group_quant_fp8(a1, 128)
+        a1q, a1q_scale = per_token_group_quant_fp8(a1, SCALE_BLOCK)
         return PrepareResult(a1q=a1q, a1q_scale=a1q_scale)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input) -> None:
+                 apply_router_weight_on_input, *, output_is_reduced=False) -> None:
+        if output_is_reduced:
+            if fused_expert_output is not output:
+                output.copy_(fused_expert_output)
+            return
         moe_sum(fused_expert_output, out=output,
                 topk_weights=None if apply_router_weight_on_input else topk_weights)
