@@ -3,6 +3,7 @@ every error path, and GPU checks (bit-exact against the reference; past 2**31 el
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -30,29 +31,31 @@ def _make_x(shape, dtype=torch.bfloat16, device="cpu", seed=0):
     return x.to(dtype).to(device)
 
 
-def _expected_scales(x, group_size, eps, use_ue8m0):
-    """Scale per group in float64, independent of reference.py."""
-    amax = x.double().unflatten(-1, (-1, group_size)).abs().amax(-1)
-    s = amax.clamp(min=eps) / 448.0
-    return torch.exp2(torch.ceil(torch.log2(s))) if use_ue8m0 else s
+def _expected(x, group_size, eps, use_ue8m0):
+    """vLLM's recipe in numpy float32, independent of reference.py: (codes as uint8, scales).
+
+    amax = fmax-reduction (NaN ignored) floored at eps; scale = amax / 448 (IEEE float32
+    division); ue8m0: 2**ceil(log2(max(scale, 1e-10))) with the log2 in float64 (exact on a
+    float32); q = fmin(fmax(x / scale, -448), 448) (IEEE float32 division), cast to e4m3 (RNE).
+    """
+    g = x.float().cpu().numpy()
+    g = g.reshape(*g.shape[:-1], g.shape[-1] // group_size, group_size)
+    amax = np.fmax(np.fmax.reduce(np.abs(g), axis=-1, initial=-np.inf), np.float32(eps))
+    s = (amax / np.float32(448.0)).astype(np.float32)
+    if use_ue8m0:
+        s = np.exp2(np.ceil(np.log2(np.fmax(s, np.float32(1e-10)).astype(np.float64))))
+        s = s.astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        v = np.fmin(np.fmax(g / s[..., None], np.float32(-448.0)), np.float32(448.0))
+    codes = torch.from_numpy(v.reshape(x.shape)).to(FP8).view(torch.uint8)
+    return codes, torch.from_numpy(s)
 
 
 def _check(x, x_q, x_s, group_size, eps, use_ue8m0):
-    """x_s matches the float64 scales (exactly for ue8m0, else to float32 rounding) and each
-    x_q value is the e4m3 value nearest to clamp(x / x_s, -448, 448)."""
-    want_s = _expected_scales(x, group_size, eps, use_ue8m0)
-    got_s = x_s.double()
-    if use_ue8m0:
-        assert torch.equal(got_s, want_s)
-    else:
-        torch.testing.assert_close(got_s, want_s, rtol=2e-7, atol=0)
-    v = (x.double().unflatten(-1, (-1, group_size)) / got_s.unsqueeze(-1)).clamp(-448, 448)
-    q = x_q.double().unflatten(-1, (-1, group_size))
-    # e4m3 spacing: 2**(e - 3) for normals (|v| >= 2**-6), 2**-9 below.
-    exp = torch.floor(torch.log2(v.abs().clamp(min=2.0**-6)))
-    half_ulp = torch.exp2(exp - 4)
-    assert ((q - v).abs() <= half_ulp * (1 + 1e-6)).all()
-    assert torch.equal(torch.signbit(q[v != 0]), torch.signbit(v[v != 0]))
+    """x_q and x_s are exactly vLLM's codes and scales (see _expected)."""
+    want_q, want_s = _expected(x, group_size, eps, use_ue8m0)
+    assert torch.equal(x_s.cpu(), want_s)
+    assert torch.equal(x_q.cpu().view(torch.uint8), want_q)
 
 
 def _scales_buffer(M, num_groups, layout, device):
@@ -164,6 +167,95 @@ def test_public_op_out_q_and_eps():
                                rtol=2e-7, atol=0)  # the all-zero group gets eps / 448
 
 
+def test_tma_flag_without_column_major_gives_row_major_scales():
+    """vLLM accepts tma_aligned_scales=True with row-major scales and ignores it: so does this."""
+    x = _make_x((5, 256), seed=13)
+    x_q, x_s = per_token_group_quant_fp8(x, 128, tma_aligned_scales=True)
+    assert x_s.shape == (5, 2) and x_s.is_contiguous()
+    _check(x, x_q, x_s, 128, 1e-10, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_division_not_reciprocal_multiply(dtype, kernel_device):
+    """Codes are x / scale (IEEE), not x * (1 / scale): on this data the two differ somewhere
+    (checked, so the test can fail: 16-bit inputs make exact ties common), and both the launcher and the public op give the division."""
+    x = _make_x((64, 1024), dtype=dtype, seed=14)
+    g = x.float().unflatten(-1, (8, 128))
+    scale = torch.maximum(g.abs().amax(-1), torch.tensor(1e-10)) / torch.tensor(448.0)
+    by_multiply = (g * (torch.ones_like(scale) / scale).unsqueeze(-1)).clamp(-448, 448)
+    by_division = (g / scale.unsqueeze(-1)).clamp(-448, 448)
+    assert (by_multiply.to(FP8).view(torch.uint8) != by_division.to(FP8).view(torch.uint8)).any()
+    want = by_division.to(FP8).flatten(-2).view(torch.uint8)
+    x_q = torch.empty(x.shape, dtype=FP8, device=kernel_device)
+    x_s = torch.empty((64, 8), device=kernel_device)
+    per_token_group_quant_fp8_triton(x.to(kernel_device), x_q, x_s, 128, 1e-10, False)
+    assert torch.equal(x_q.cpu().view(torch.uint8), want)
+    assert torch.equal(per_token_group_quant_fp8(x, 128)[0].view(torch.uint8), want)
+
+
+def test_ue8m0_scale_floor(kernel_device):
+    """ue8m0 floors the scale at float32(1e-10) before rounding up: tiny groups get 2**-33."""
+    x = torch.zeros((2, 256), device=kernel_device)
+    x[1, 128:] = 1e-9  # scale 1e-9 / 448 ~ 2.2e-12, below the floor
+    x_q, x_s = per_token_group_quant_fp8(x, 128, use_ue8m0=True)
+    assert (x_s == 2.0**-33).all()
+    _, x_s_plain = per_token_group_quant_fp8(x, 128)
+    assert x_s_plain[0, 0] == torch.tensor(1e-10) / torch.tensor(448.0)
+
+
+def _nan_inf_input(device):
+    """Row 0: one NaN in group 0; row 1: +inf and -inf in group 0; row 2: all NaN in group 1."""
+    x = _make_x((3, 256), dtype=torch.float32, seed=15)
+    x[0, 5] = float("nan")
+    x[1, 7], x[1, 9] = float("inf"), float("-inf")
+    x[2, 128:] = float("nan")
+    return x.to(device)
+
+
+def _check_nan_inf(x, x_q, x_s):
+    codes = x_q.cpu().view(torch.uint8)
+    scales = x_s.cpu()
+    x = x.cpu()
+    # NaN is ignored by the max: the scale is that of the group without it.
+    clean = x[0, :128].clone()
+    clean[5] = 0.0
+    assert scales[0, 0] == clean.abs().max() / torch.tensor(448.0)
+    assert codes[0, 5] == 0xFE  # NaN -> -448
+    assert codes[1, 7] == 0xFE and codes[1, 9] == 0xFE  # +-inf / inf is NaN -> -448
+    assert scales[1, 0] == float("inf")
+    finite = torch.ones(128, dtype=torch.bool)
+    finite[[7, 9]] = False
+    assert (codes[1, :128][finite] & 0x7F == 0).all()  # finite / inf = +-0
+    assert scales[2, 1] == torch.tensor(1e-10) / torch.tensor(448.0)  # all NaN: eps floor
+    assert (codes[2, 128:] == 0xFE).all()
+    assert torch.isfinite(scales[[0, 2]]).all()
+    _check(x, x_q, x_s, 128, 1e-10, False)
+
+
+def test_nan_inf_public_op():
+    x = _nan_inf_input("cpu")
+    _check_nan_inf(x, *per_token_group_quant_fp8(x, 128))
+
+
+def test_nan_inf_launcher(kernel_device):
+    x = _nan_inf_input(kernel_device)
+    x_q = torch.empty(x.shape, dtype=FP8, device=kernel_device)
+    x_s = torch.empty((3, 2), device=kernel_device)
+    per_token_group_quant_fp8_triton(x, x_q, x_s, 128, 1e-10, False)
+    _check_nan_inf(x, x_q, x_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("round_in_fp32", [True, False])
+def test_gpu_nan_inf(round_in_fp32):
+    x = _nan_inf_input("cuda")
+    x_q, x_s = per_token_group_quant_fp8(x, 128)
+    _check_nan_inf(x, x_q, x_s)
+    q2 = torch.empty_like(x_q)
+    per_token_group_quant_fp8_triton(x, q2, x_s, 128, 1e-10, False, round_in_fp32=round_in_fp32)
+    _check_nan_inf(x, q2, x_s)
+
+
 def test_public_op_non_contiguous_rows():
     x = _make_x((6, 1024), seed=6)[::2, :512]
     x_q, x_s = per_token_group_quant_fp8(x, 128)
@@ -245,7 +337,8 @@ def test_errors():
     _bad(eps="1e-10")
     _bad(dtype=torch.float8_e5m2)
     _bad(dtype=torch.bfloat16)
-    _bad(tma_aligned_scales=True)
+    _bad(group_size=True)
+    _bad(eps=True)
     _bad(x=torch.randn(2, 4, 256, dtype=torch.bfloat16), column_major_scales=True)
     _bad(out_q=torch.empty(4, 256, dtype=torch.bfloat16))
     _bad(out_q=torch.empty(4, 128, dtype=FP8))

@@ -1,14 +1,20 @@
 """silu_and_mul: the gated activation between the two expert GEMMs, x [..., 2N] -> [..., N].
 
+Numbers: `F.silu(gate) * up` in x's dtype, bit for bit, as vLLM's kernel and its torch reference
+compute it: silu(g) = g / (1 + exp(-g)) in float32 (torch's formula on CUDA), rounded to x's dtype,
+then the product of that and `up` rounded to x's dtype again. On the GPU the kernel calls CUDA's
+accurate expf (libdevice, as torch's kernel does) and divides with IEEE rounding; Triton's own
+`tl.exp` is an approximation. Under the interpreter exp is numpy's, which can differ from torch's
+CPU exp in the last float32 bit (CPU tensors run the torch reference in normal use).
+
 Kernel: one program per tile of BLOCK_M rows x BLOCK_N output channels, loading the gate half
-x[..., :N] and the up half x[..., N:], computing silu(gate) * up = gate / (1 + exp(-gate)) * up in
-float32 and storing in x's dtype. int64 offsets. Triton's exp is not torch's, so the result can
-differ from `silu_and_mul_ref` by one unit in the last place of the output dtype.
+x[..., :N] and the up half x[..., N:]. int64 offsets.
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2, round_to_bf16_grid
 from vllm_moe_fixes.ops.reference import silu_and_mul_ref
@@ -17,21 +23,40 @@ _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def _round_to(v, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """float32 v rounded to DTYPE (nearest even); the interpreter's bfloat16 cast truncates, so
+    there v goes to the bfloat16 grid in float32 first."""
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            v = round_to_bf16_grid(v)
+    return v.to(DTYPE)
+
+
+@triton.jit
+def silu_and_mul_values(gate, up, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """`F.silu(gate) * up` for gate, up of dtype DTYPE (same shape), returned in DTYPE."""
+    g = gate.to(tl.float32)
+    if INTERPRETED:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)  # __nv_expf, CUDA's expf
+    silu = _round_to(tl.math.div_rn(g, 1.0 + e), DTYPE, INTERPRETED)
+    return _round_to(silu.to(tl.float32) * up.to(tl.float32), DTYPE, INTERPRETED)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, M, N, x_row_stride, out_row_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     gate_ptr = x_ptr + rows[:, None] * x_row_stride + cols[None, :]
-    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptr + N, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    if ROUND_BF16:  # interpreter only: its bfloat16 cast truncates
-        y = round_to_bf16_grid(y)
-    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(gate_ptr, mask=mask, other=0.0)
+    up = tl.load(gate_ptr + N, mask=mask, other=0.0)
+    y = silu_and_mul_values(gate, up, out_ptr.dtype.element_ty, INTERPRETED)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], y, mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int = 1,
@@ -43,8 +68,7 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int = 1,
     block_n = block_n or min(1024, next_power_of_2(N))
     grid = ((M + block_m - 1) // block_m, (N + block_n - 1) // block_n)
     _silu_and_mul_kernel[grid](x, out, M, N, x.stride(0), out.stride(0),
-                               BLOCK_M=block_m, BLOCK_N=block_n,
-                               ROUND_BF16=INTERPRETING and out.dtype == torch.bfloat16,
+                               BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=INTERPRETING,
                                num_warps=num_warps)
 
 
@@ -56,7 +80,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         out: optional [..., N] contiguous tensor of x's dtype and device; written and returned.
 
     Returns:
-        out: [..., N] in x's dtype, silu(x[..., :N]) * x[..., N:] computed in float32.
+        out: [..., N] in x's dtype, `F.silu(x[..., :N]) * x[..., N:]` bit for bit (silu rounded to
+        x's dtype, then the product rounded again; see the module docstring).
         CUDA tensors run the Triton kernel (int64 offsets), CPU tensors the torch reference.
     """
     if not isinstance(x, torch.Tensor) or x.dtype not in _SUPPORTED:

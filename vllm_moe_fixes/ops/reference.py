@@ -1,40 +1,48 @@
-"""Plain-torch references for the ops in fp8_quant.py, moe_sum.py and activation.py, the
-block-FP8 (de)quantisation of weights every float32 reference and test uses, and the accuracy
-metrics they are judged by.
+"""Plain-torch references for the ops in fp8_quant.py, activation.py, silu_mul_quant.py and
+moe_sum.py, the block-FP8 (de)quantisation of weights every float32 reference and test uses, and
+the accuracy metrics they are judged by.
 
 The public ops run these on CPU tensors; the GPU tests run them on CUDA tensors and compare the
-Triton kernels against them bit for bit (quant, moe_sum) or to within one output ulp (silu_and_mul,
-whose exp differs between torch and Triton). They take already validated arguments.
+Triton kernels against them bit for bit. They take already validated arguments.
 
-FP8 quantisation arithmetic (shared with the Triton kernel in fp8_quant.py, operation for operation,
-so both give identical bits on any device):
+FP8 quantisation arithmetic, vLLM's recipe (its CUDA per-token-group kernel), in float32; the
+Triton kernels perform the same operations, so both give identical bits on any device:
 
-    amax  = max |x| over the group, in float32 (exact: max is order independent)
-    scale = max(amax, float32(eps)) * float32(1/448)          # a multiply, never `/ 448`
-    use_ue8m0: scale = 2**ceil(log2(scale)), done on the bits: (bits + 0x7FFFFF) & 0x7F800000
-    inv   = 1 / scale                                         # IEEE-rounded division, once a group
-    q     = clamp(x * inv, -448, 448) cast to float8_e4m3fn with round-to-nearest-even
+    amax  = max(float32(eps), max |x| over the group)   NaN elements take no part in the max
+    scale = amax / 448                                  IEEE division
+    use_ue8m0: scale = 2**ceil(log2(max(scale, float32(1e-10))))
+                                                        exact, on the bits: (bits + 0x7FFFFF) & 0x7F800000
+    q     = min(max(x / scale, -448), 448)              IEEE division; max/min return the non-NaN
+                                                        operand, so a NaN quotient becomes -448
+    x_q   = q cast to float8_e4m3fn, round-to-nearest-even
 
-Why a multiply by a float32 reciprocal: torch on CUDA turns `t / 448.0` into `t * (1/448)` while
-the CPU divides exactly, and Triton's plain fp32 `/` need not be IEEE-exact. A float32 multiply is
-exact-rounded everywhere, and `inv` is a tensor / tensor division (IEEE in torch on both devices,
-`tl.math.div_rn` in Triton).
+Divisions are tensor / tensor on purpose: torch on CUDA turns `t / 448.0` (a Python scalar) into a
+multiply by the reciprocal, which rounds differently at ties; tensor / tensor is IEEE division on
+both devices (`tl.math.div_rn` in Triton, whose plain fp32 `/` is approximate).
+
+SiLU-and-mul, vLLM's and torch's rounding: `F.silu(gate) * up` in the input dtype, i.e.
+silu(g) = g / (1 + exp(-g)) in float32 rounded to the input dtype, then the product of two values
+of that dtype rounded to it again.
 """
 
 import torch
 
-SCALE_BLOCK = 128
-FP8_MAX = 448.0
-# float32(1/448): the one constant both implementations multiply by.
-INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK
+
+# vLLM floors the ue8m0 scale at float32(1e-10) before rounding it up to a power of two (2**-33).
+UE8M0_SCALE_FLOOR = 1e-10
+
+
+def _full(like: torch.Tensor, value: float) -> torch.Tensor:
+    """A float32 0-d tensor on like's device (a tensor operand, never a Python scalar)."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 
 def group_scales_ref(amax: torch.Tensor, eps: float, use_ue8m0: bool) -> torch.Tensor:
-    """float32 scales from float32 group maxima (any shape), by the arithmetic above."""
-    eps32 = torch.tensor(eps, dtype=torch.float32, device=amax.device)
-    inv448 = torch.tensor(INV_FP8_MAX, dtype=torch.float32, device=amax.device)
-    scale = torch.maximum(amax, eps32) * inv448
+    """float32 scales from float32 group maxima (any shape, NaN-free), by the recipe above."""
+    scale = torch.maximum(amax, _full(amax, eps)) / _full(amax, FP8_MAX)
     if use_ue8m0:
+        scale = torch.maximum(scale, _full(scale, UE8M0_SCALE_FLOOR))
         scale = ((scale.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
     return scale
 
@@ -47,10 +55,11 @@ def per_token_group_quant_fp8_ref(
     Returns (x_q float8_e4m3fn [..., K] contiguous, x_s float32 [..., K // group_size] row-major).
     """
     groups = x.float().unflatten(-1, (x.shape[-1] // group_size, group_size))
-    scale = group_scales_ref(groups.abs().amax(dim=-1), eps, use_ue8m0)
-    inv = torch.ones_like(scale) / scale  # tensor / tensor: IEEE division on CPU and CUDA
-    q = (groups * inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn).flatten(-2), scale
+    magnitudes = groups.abs().nan_to_num(nan=0.0, posinf=float("inf"))  # NaN ignored by the max
+    scale = group_scales_ref(magnitudes.amax(dim=-1), eps, use_ue8m0)
+    q = torch.fmax(groups / scale.unsqueeze(-1), _full(x, -FP8_MAX))  # fmax: NaN -> -448
+    q = torch.fmin(q, _full(x, FP8_MAX))
+    return q.to(FP8_DTYPE).flatten(-2), scale
 
 
 def moe_sum_ref(x: torch.Tensor, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,9 +79,18 @@ def moe_sum_ref(x: torch.Tensor, topk_weights: torch.Tensor | None = None) -> to
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2N] -> silu(x[..., :N]) * x[..., N:] as [..., N], float32 math, x's dtype."""
-    gate, up = x.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    """x [..., 2N] -> `F.silu(x[..., :N]) * x[..., N:]` as [..., N] in x's dtype (silu rounded to
+    x's dtype, then the product rounded again)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_and_mul_quant_fp8_ref(
+    x: torch.Tensor, use_ue8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 2N] (N a multiple of 128) -> the FP8 quant (group 128, eps 1e-10) of
+    silu_and_mul_ref(x): (float8_e4m3fn [..., N], float32 [..., N / 128] row-major)."""
+    return per_token_group_quant_fp8_ref(silu_and_mul_ref(x), SCALE_BLOCK, 1e-10, use_ue8m0)
 
 
 def dequant_block_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
