@@ -10,11 +10,17 @@ GEMM (`m_indices` -> `grouped_layout`) later, so names are resolved once, here, 
     get_mk_alignment_for_contiguous_layout   get_m_alignment_for_contiguous_layout
 
 The grouped layout / m_indices is always passed positionally, and `disable_ue8m0_cast=True` is
-passed where the function takes it (float32 scales on SM90; UE8M0 packing is SM100-only).
+passed where the function takes it: this library hands DeepGEMM float32 scales, which only its SM90
+kernels consume. On SM100 DeepGEMM wants UE8M0 (power-of-two, packed int32) scales: with the cast
+disabled it fails in every call, and with it enabled it would round every scale up to a power of two
+(other numerics than the Triton experts and the reference). So a GPU other than SM90 is refused with
+a RuntimeError naming its architecture and VLLM_USE_DEEP_GEMM, once per device (``require`` at the
+experts' construction; the GEMM wrappers look the cached verdict up by device).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from types import SimpleNamespace
 from typing import Any
@@ -66,8 +72,8 @@ def is_available() -> bool:
     return _API is not None and _API.contiguous is not None
 
 
-def require(what: str = "DeepGemmExperts") -> SimpleNamespace:
-    """Return the resolved API, or raise RuntimeError naming VLLM_USE_DEEP_GEMM and DeepGEMM."""
+def _api(what: str) -> SimpleNamespace:
+    """The resolved API, or RuntimeError naming VLLM_USE_DEEP_GEMM and DeepGEMM."""
     if is_available():
         return _API
     why = (f"import failed: {_IMPORT_ERROR!r}" if _IMPORT_ERROR is not None
@@ -78,6 +84,47 @@ def require(what: str = "DeepGemmExperts") -> SimpleNamespace:
         "is a broken snapshot) or set VLLM_USE_DEEP_GEMM=0 to use the Triton experts.")
 
 
+@functools.cache
+def _arch_refusal(device_index: int) -> str | None:
+    """Why DeepGEMM with float32 scales cannot run on CUDA device ``device_index`` (None: it can)."""
+    import torch
+    major, minor = torch.cuda.get_device_capability(device_index)
+    arch = f"sm_{major}{minor} ({torch.cuda.get_device_name(device_index)})"
+    if major == 9:
+        return None
+    if major == 10:
+        return (f"on {arch} DeepGEMM wants UE8M0-packed scales, and this library passes float32 "
+                "scales (disable_ue8m0_cast=True), which only its SM90 kernels take")
+    return f"DeepGEMM's FP8 grouped GEMMs run on SM90 (float32 scales) only, not on {arch}"
+
+
+def check_device(what: str, device=None) -> None:
+    """Raise RuntimeError (naming the GPU architecture and VLLM_USE_DEEP_GEMM) when DeepGEMM cannot
+    run on ``device`` (a torch.device or CUDA index; default the current CUDA device). Nothing is
+    checked for CPU devices or without CUDA; the verdict is cached per device."""
+    import torch
+    if device is None:
+        if not torch.cuda.is_available():
+            return
+        device = torch.cuda.current_device()
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            return
+        device = device.index if device.index is not None else torch.cuda.current_device()
+    why = _arch_refusal(device)
+    if why is not None:
+        raise RuntimeError(f"{what} cannot run on CUDA device {device}: {why}. "
+                           "Set VLLM_USE_DEEP_GEMM=0 to use the Triton experts.")
+
+
+def require(what: str = "DeepGemmExperts") -> SimpleNamespace:
+    """Return the resolved API, or raise RuntimeError naming VLLM_USE_DEEP_GEMM and DeepGEMM when
+    DeepGEMM is not usable, or when the current CUDA device is not SM90 (``check_device``)."""
+    api = _api(what)
+    check_device(what)
+    return api
+
+
 def m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices) -> None:
     """DeepGEMM's contiguous grouped FP8 GEMM: out[i] = a[i] @ b[m_indices[i]]^T.
 
@@ -85,7 +132,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices) -> None:
     b: (float8_e4m3fn [E, N, K], float32 [E, N/128, K/128]); out: bf16 [M_sum, N] (written);
     m_indices: int32 [M_sum], -1 on padding rows (undefined output there).
     """
-    api = require()
+    api = _api("DeepGemmExperts")
+    check_device("DeepGemmExperts", a[0].device)
     kwargs = {"disable_ue8m0_cast": True} if api.contiguous_ue8m0_kwarg else {}
     api.contiguous(a, b, out, m_indices, **kwargs)
 
@@ -96,14 +144,15 @@ def m_grouped_fp8_gemm_nt_masked(a, b, out, masked_m, expected_m: int) -> None:
     a: (float8_e4m3fn [E, T, K], float32 [E, T, K/128] MN-major per expert); b as above;
     out: bf16 [E, T, N]; masked_m: int32 [E]; expected_m: typical rows per expert (tiling hint).
     """
-    api = require("BatchedDeepGemmExperts")
+    api = _api("BatchedDeepGemmExperts")
     if api.masked is None:
         raise RuntimeError("this DeepGEMM build has no masked grouped FP8 GEMM under a known name")
+    check_device("BatchedDeepGemmExperts", a[0].device)
     kwargs = {"disable_ue8m0_cast": True} if api.masked_ue8m0_kwarg else {}
     api.masked(a, b, out, masked_m, expected_m, **kwargs)
 
 
 def get_m_alignment_for_contiguous_layout() -> int:
     """Row alignment of each expert segment in the contiguous layout (128 in every release)."""
-    api = require()
+    api = _api("DeepGemmExperts")
     return int(api.alignment()) if api.alignment is not None else 128

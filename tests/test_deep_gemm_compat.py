@@ -1,0 +1,78 @@
+"""DeepGEMM's architecture check: float32 scales run on SM90 only; SM100 (UE8M0 scales) and other
+GPUs are refused once per device, at the experts' construction and in the GEMM wrappers."""
+
+import types
+
+import pytest
+import torch
+
+from vllm_moe_fixes._compat import deep_gemm as compat
+from vllm_moe_fixes.fused_moe import BatchedDeepGemmExperts, DeepGemmExperts
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A fake DeepGEMM on a fake CUDA device whose capability the test sets; returns a dict of
+    the capability and the number of capability queries."""
+    state = {"capability": (9, 0), "queries": 0, "gemm_calls": 0}
+
+    def capability(index):
+        state["queries"] += 1
+        return state["capability"]
+
+    def gemm(*args, disable_ue8m0_cast=False):
+        state["gemm_calls"] += 1
+
+    mod = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=gemm, m_grouped_fp8_gemm_nt_masked=gemm,
+                                get_mk_alignment_for_contiguous_layout=lambda: 128)
+    monkeypatch.setattr(compat, "_API", compat.resolve(mod))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "Fake GPU")
+    compat._arch_refusal.cache_clear()
+    yield state
+    compat._arch_refusal.cache_clear()
+
+
+def _cuda_operand(index=0):
+    return (types.SimpleNamespace(device=torch.device("cuda", index)), None)
+
+
+@pytest.mark.parametrize("cls", [DeepGemmExperts, BatchedDeepGemmExperts])
+def test_sm100_refused_at_construction(fake_gpu, cls):
+    fake_gpu["capability"] = (10, 0)
+    with pytest.raises(RuntimeError, match=rf"{cls.__name__} cannot run on CUDA device 0: on sm_100 "
+                                           r"\(Fake GPU\) DeepGEMM wants UE8M0-packed scales.*"
+                                           r"VLLM_USE_DEEP_GEMM=0"):
+        cls()
+
+
+def test_other_archs_refused_sm90_accepted(fake_gpu):
+    fake_gpu["capability"] = (8, 0)
+    with pytest.raises(RuntimeError, match=r"SM90 \(float32 scales\) only, not on sm_80.*VLLM_USE_DEEP_GEMM"):
+        DeepGemmExperts()
+    compat._arch_refusal.cache_clear()
+    fake_gpu["capability"] = (9, 0)
+    DeepGemmExperts()
+    BatchedDeepGemmExperts()
+
+
+def test_gemm_wrappers_check_the_operands_device_once(fake_gpu):
+    compat.m_grouped_fp8_gemm_nt_contiguous(_cuda_operand(), None, None, None)
+    compat.m_grouped_fp8_gemm_nt_masked(_cuda_operand(), None, None, None, 1)
+    compat.m_grouped_fp8_gemm_nt_contiguous(_cuda_operand(), None, None, None)
+    assert fake_gpu["gemm_calls"] == 3 and fake_gpu["queries"] == 1  # cached per device
+    fake_gpu["capability"] = (10, 0)
+    with pytest.raises(RuntimeError, match="BatchedDeepGemmExperts cannot run on CUDA device 1: on sm_100"):
+        compat.m_grouped_fp8_gemm_nt_masked(_cuda_operand(1), None, None, None, 1)
+    assert fake_gpu["gemm_calls"] == 3 and fake_gpu["queries"] == 2
+
+
+def test_cpu_operands_and_no_cuda_are_not_checked(fake_gpu, monkeypatch):
+    fake_gpu["capability"] = (10, 0)
+    cpu = (types.SimpleNamespace(device=torch.device("cpu")), None)
+    compat.m_grouped_fp8_gemm_nt_contiguous(cpu, None, None, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    DeepGemmExperts()
+    assert fake_gpu["queries"] == 0
