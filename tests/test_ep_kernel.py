@@ -158,20 +158,43 @@ def test_ep_kernel_gloo_world8():
     run_distributed(_worker, 8)
 
 
+class _StubBuffer:
+    """Has the methods the prepare/finalize classes look for; never called."""
+
+    low_latency_mode = True
+
+    def __getattr__(self, name):
+        if name in ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch",
+                    "low_latency_combine"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+
 def test_constructor_errors():
+    stub = _StubBuffer()
+    with pytest.raises(ValueError, match="buffer must be a deep_ep.Buffer or TorchAll2AllBuffer.*got NoneType"):
+        DeepEPHTPrepareAndFinalize(None, num_dispatchers=2, rank_expert_offset=0)
+    with pytest.raises(ValueError, match="buffer must be .*low_latency_dispatch.*got NoneType"):
+        DeepEPLLPrepareAndFinalize(None, num_dispatchers=2, max_tokens_per_rank=4)
     with pytest.raises(ValueError, match="num_dispatchers=0"):
-        DeepEPHTPrepareAndFinalize(None, num_dispatchers=0, rank_expert_offset=0)
+        DeepEPHTPrepareAndFinalize(stub, num_dispatchers=0, rank_expert_offset=0)
     with pytest.raises(ValueError, match="rank_expert_offset=-1"):
-        DeepEPHTPrepareAndFinalize(None, num_dispatchers=2, rank_expert_offset=-1)
+        DeepEPHTPrepareAndFinalize(stub, num_dispatchers=2, rank_expert_offset=-1)
+    with pytest.raises(ValueError, match="rank_expert_offset=True"):
+        DeepEPHTPrepareAndFinalize(stub, num_dispatchers=2, rank_expert_offset=True)
     with pytest.raises(ValueError, match="max_tokens_per_rank=0"):
-        DeepEPLLPrepareAndFinalize(None, num_dispatchers=2, max_tokens_per_rank=0)
+        DeepEPLLPrepareAndFinalize(stub, num_dispatchers=2, max_tokens_per_rank=0)
+    normal = _StubBuffer()
+    normal.low_latency_mode = False
+    with pytest.raises(ValueError, match="low_latency_mode=True"):
+        DeepEPLLPrepareAndFinalize(normal, num_dispatchers=2, max_tokens_per_rank=4)
     with pytest.raises(ValueError, match="without a preceding prepare"):
-        DeepEPLLPrepareAndFinalize(None, num_dispatchers=2, max_tokens_per_rank=4).finalize(
+        DeepEPLLPrepareAndFinalize(stub, num_dispatchers=2, max_tokens_per_rank=4).finalize(
             None, None, torch.zeros(1, 1), None, False)
     with pytest.raises(ValueError, match="without a preceding prepare"):
-        DeepEPHTPrepareAndFinalize(None, num_dispatchers=2, rank_expert_offset=0).finalize(
+        DeepEPHTPrepareAndFinalize(stub, num_dispatchers=2, rank_expert_offset=0).finalize(
             None, None, None, None, False)
-    pf = DeepEPHTPrepareAndFinalize(None, num_dispatchers=3, rank_expert_offset=0)
+    pf = DeepEPHTPrepareAndFinalize(stub, num_dispatchers=3, rank_expert_offset=0)
     with pytest.raises(ValueError, match="num_experts=8 is not divisible by the number of ranks 3"):
         pf.prepare(torch.zeros(1, 128, dtype=torch.bfloat16), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int64),
                    8, None, False)

@@ -135,7 +135,9 @@ def _ht_worker(rank, world):
     with pytest.raises(ValueError, match="num_worst_tokens"):
         buf.dispatch(x, handle=handle, num_worst_tokens=64)
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
-        buf.dispatch(x[:, :4], handle=handle)
+        buf.dispatch(x[:, :4].contiguous(), handle=handle)
+    with pytest.raises(ValueError, match="x must be a contiguous"):
+        buf.dispatch(x.t(), handle=handle)
     with pytest.raises(ValueError, match="received token count"):
         buf.combine(y[:0] if y.shape[0] else torch.zeros(1, H_HT, dtype=torch.bfloat16), handle)
     with pytest.raises(ValueError, match="low_latency_mode"):
@@ -236,7 +238,7 @@ def _ll_worker(rank, world):
     with pytest.raises(ValueError, match="hidden=1024 is not supported"):
         buf.low_latency_dispatch(torch.ones(1, 1024, dtype=torch.bfloat16, device=dev), one, 4, 32)
     with pytest.raises(ValueError, match="exceed num_max_dispatch_tokens_per_rank=1"):
-        buf.low_latency_dispatch(xb.expand(2, -1), one.expand(2, -1), 1, 32)
+        buf.low_latency_dispatch(xb.expand(2, -1).contiguous(), one.expand(2, -1).contiguous(), 1, 32)
     with pytest.raises(ValueError, match="not divisible|multiple of the rank count"):
         buf.low_latency_dispatch(xb, one, 4, 32 + 1 if world > 1 else 0)
     with pytest.raises(ValueError, match="top-k 12"):
@@ -247,8 +249,36 @@ def _ll_worker(rank, world):
         buf.low_latency_dispatch(xb, one, 4, 32, round_scale=True, use_ue8m0=True)
     with pytest.raises(ValueError, match="mutually exclusive"):
         buf.low_latency_dispatch(xb, one, 4, 32, async_finish=True, return_recv_hook=True)
-    with pytest.raises(ValueError, match="x must be bf16"):
-        buf.low_latency_combine(y[:, :1], idx, w, handle_b)
+    with pytest.raises(ValueError, match=r"x must be \[.*\(\[E_local, R\*N, H\]\)"):
+        buf.low_latency_combine(y[:, :1].contiguous(), idx, w, handle_b)
+    # What DeepEP's asserts refuse: non-contiguous tensors, non-bf16 expert outputs, weights with
+    # more rows than N, stats of the wrong dtype or size.
+    with pytest.raises(ValueError, match="x must be bf16 with 2 dims, contiguous"):
+        buf.low_latency_dispatch(torch.ones(H_LL, 2, dtype=torch.bfloat16, device=dev).t(), one.expand(2, -1), 4, 32)
+    with pytest.raises(ValueError, match="topk_idx must be int64 with 2 dims, contiguous"):
+        buf.low_latency_dispatch(xb.expand(2, -1).contiguous(), one.expand(2, -1), 4, 32)
+    with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats must be int32"):
+        buf.low_latency_dispatch(xb, one, 4, 32, cumulative_local_expert_recv_stats=torch.zeros(
+            32 // world, dtype=torch.int64, device=dev))
+    with pytest.raises(ValueError, match=r"cumulative_local_expert_recv_stats must be \[\d+\]"):
+        buf.low_latency_dispatch(xb, one, 4, 32, cumulative_local_expert_recv_stats=torch.zeros(
+            1 + 32 // world, dtype=torch.int32, device=dev))
+    with pytest.raises(ValueError, match="dispatch_wait_recv_cost_stats must be int64"):
+        buf.low_latency_dispatch(xb, one, 4, 32, dispatch_wait_recv_cost_stats=torch.zeros(world, device=dev))
+    with pytest.raises(ValueError, match="x must be bf16 with 3 dims, contiguous; got torch.float32"):
+        buf.low_latency_combine(y.float(), idx, w, handle_b)
+    with pytest.raises(ValueError, match="x must be bf16 with 3 dims, contiguous; got .*non-contiguous"):
+        buf.low_latency_combine(y.transpose(0, 1).contiguous().transpose(0, 1), idx, w, handle_b)
+    with pytest.raises(ValueError, match="topk_weights must be float32 with 2 dims, contiguous"):
+        buf.low_latency_combine(y, idx, w.t().contiguous().t(), handle_b)
+    with pytest.raises(ValueError, match=f"at most num_max_dispatch_tokens_per_rank={n}"):
+        buf.low_latency_combine(y, idx.new_zeros(n + 1, k), w.new_zeros(n + 1, k), handle_b)
+    with pytest.raises(ValueError, match="out must be bf16 with 2 dims, contiguous"):
+        buf.low_latency_combine(y, idx, w, handle_b, out=torch.empty(H_LL, x.shape[0], dtype=torch.bfloat16,
+                                                                      device=dev).t())
+    with pytest.raises(ValueError, match="out must be"):
+        buf.low_latency_combine(y, idx, w, handle_b, out=torch.empty(x.shape[0] + 1, H_LL, dtype=torch.bfloat16,
+                                                                      device=dev))
     with pytest.raises(ValueError, match="handle returned by low_latency_dispatch"):
         buf.low_latency_combine(y, idx, w, None)
     # N must agree across ranks: every rank sees the mismatch in the count exchange.

@@ -2,11 +2,29 @@
 
 ``TorchAll2AllBuffer`` is the ``naive`` all-to-all backend and the vehicle that lets CPU CI run the
 expert-parallel code for real (gloo) as well as NCCL on GPUs. It speaks DeepEP v1.2.1's shapes,
-dtypes, -1 conventions, return tuples and handle semantics (contracts/deep_ep.md); every exchange is
-a ``torch.distributed.all_to_all_single`` of a byte view (gloo has no float8), preceded by one
-exchange of the counts. The per-row tensors of one call (x, its scales, top-k ids and weights) are
-packed into one byte row and moved in a single exchange; each dispatch path reads its counts to the
-host once. Where DeepEP would assert, this raises ``ValueError``.
+dtypes, -1 conventions, return tuples and handle semantics, and refuses (``ValueError``, naming the
+argument and the rule) what DeepEP's asserts refuse. Every exchange moves bytes (gloo has no
+float8).
+
+High-throughput (normal) mode sends each token once to every rank holding one of its experts, in
+variable-size messages: ``dispatch`` reads the counts to the host once (DeepEP's does too: the
+receive size is a host-side tensor shape), in one ``all_to_all_single`` of a [R, 1 + E_local]
+count matrix, then moves every per-row tensor of the call (x, its scales, top-k ids and weights)
+packed into one byte row, in one ``all_to_all_single``. ``combine`` does not synchronise.
+
+Low-latency mode moves fixed-size messages and never reads a device value on the host, so a CUDA
+graph can capture it:
+
+    low_latency_dispatch (one all-gather):
+        slab [N, row] bytes = (top-k ids int64 [k] | scales f32 [H/128] | fp8 [H]) per token,
+            rows T..N-1 carry ids -1
+        all_gather -> [R, N, row]: every rank sees every rank's slab
+        route: the (source, token, slot) pairs whose expert lives here, numbered per expert by a
+            cumulative sum (source rank, then token order), give each row's place in
+            recv_x [E_local, R*N, H]; pairs bound elsewhere write one spare row past the end
+    low_latency_combine (one all-gather of the weights, one all_to_all_single):
+        per source rank s and token t: partial[s, t] = sum of w * expert output over the slots
+            served here (float32 [N, H]), sent back to s, summed over ranks on s
 
 Differences from DeepEP, by design:
   * Everything is synchronous: ``async_finish`` and ``previous_event`` are accepted and ignored, the
@@ -15,23 +33,30 @@ Differences from DeepEP, by design:
   * ``num_worst_tokens`` and UE8M0 scales are not supported (``ValueError``); ``use_logfmt`` and
     ``zero_copy`` are accepted, combine is exact bf16/float32 either way.
   * Rows of the low-latency receive buffer past ``recv_count`` are left uninitialised, as in DeepEP.
+  * Values (top-k ids in range, N equal on every rank, counts consistent with the mask) are checked
+    for CPU tensors always and for CUDA tensors only with ``VLLM_MOE_CHECK_IDS=1``: a check reads the
+    device on the host. Unchecked, an out-of-range expert id selects no expert.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes import envs
+from vllm_moe_fixes._validate import check, check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed import deepep_sizing as sizing
-from vllm_moe_fixes.ops.fp8 import FP8_MAX
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, align_up
 
 # DeepEP's low-latency cast floors amax at this margin, so an all-zero group gets a finite scale.
 LL_AMAX_FLOOR = 1e-4
+# Byte alignment of a low-latency slab row (its int64 ids and float32 scales need 8 and 4).
+_LL_ROW_ALIGN = 16
+# torch 2.13 names it all_gather_single; older releases all_gather_into_tensor (same arguments).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _HTHandle(NamedTuple):
@@ -42,15 +67,39 @@ class _HTHandle(NamedTuple):
 
 
 class _LLHandle(NamedTuple):
-    src_token: torch.Tensor         # [P] int64: token of each sent (token, expert) pair, by destination
-    src_slot: torch.Tensor          # [P] int64: its top-k slot
-    send_splits: list[int]
-    recv_splits: list[int]
-    recv_expert: torch.Tensor       # [Q] int64: local expert of each received row
-    recv_pos: torch.Tensor          # [Q] int64: its row within that expert's [R*N] slice
+    recv_row: torch.Tensor          # [R*N, k] int64: row of recv_x.view(-1, H) each received pair
+                                    # filled (0 where the pair's expert lives elsewhere)
+    served: torch.Tensor            # [R*N, k] bool: the pair's expert lives here
+    num_tokens: int                 # T, this rank's dispatched tokens
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16"}
+
+
+def _checks_values(t: torch.Tensor) -> bool:
+    """Whether to check the values of ``t``: always on the CPU, on CUDA only when asked (a read of
+    a device value waits for the device)."""
+    return t.device.type != "cuda" or envs.VLLM_MOE_CHECK_IDS
+
+
+def _describe(t) -> str:
+    return f"{t.dtype} {list(t.shape)}{'' if t.is_contiguous() else ' (non-contiguous)'}" \
+        if isinstance(t, torch.Tensor) else repr(type(t).__name__)
+
+
+def _check_tensor(name: str, t, dtype: torch.dtype | tuple, dim: int, contiguous: bool = True) -> None:
+    """ValueError naming ``name`` unless t is a tensor of that dtype (one of them) and dim
+    (and contiguous, as DeepEP's kernels require)."""
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    ok = isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == dim and \
+        (t.is_contiguous() or not contiguous)
+    if not ok:
+        want = " or ".join(_DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in dtypes)
+        raise ValueError(f"{name} must be {want} with {dim} dims{', contiguous' if contiguous else ''}; "
+                         f"got {_describe(t)}")
 
 
 class TorchAll2AllBuffer:
@@ -85,9 +134,6 @@ class TorchAll2AllBuffer:
             self.num_rdma_bytes = sizing.deepep_ll_rdma_bytes(
                 num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
         self.ll_sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        # (weakref to the topk_idx, its version, num_experts) whose values were checked last:
-        # get_dispatch_layout + dispatch on the same routing read its range to the host once.
-        self._checked_topk: tuple | None = None
 
     # ----------------------------------------------------------------- static helpers (DeepEP's)
     @staticmethod
@@ -100,7 +146,7 @@ class TorchAll2AllBuffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        """DeepEP's low-latency RDMA size hint in bytes (``deepep.deepep_ll_rdma_bytes``)."""
+        """DeepEP's low-latency RDMA size hint in bytes (``deepep_sizing.deepep_ll_rdma_bytes``)."""
         return sizing.deepep_ll_rdma_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     @staticmethod
@@ -141,19 +187,20 @@ class TorchAll2AllBuffer:
             start += w
         return out
 
-    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """[R, c] int64 (row r goes to rank r) -> [R, c] int64 (row r came from rank r)."""
-        out = torch.empty_like(counts)
-        dist.all_to_all_single(out, counts.contiguous(), group=self.group)
-        return out
+    def _all_gather(self, slab: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank -> [R, n, ...]: rank s's slab at index s (one fixed-size message)."""
+        r = self.group_size
+        out = torch.empty(r * slab.shape[0], *slab.shape[1:], dtype=slab.dtype, device=slab.device)
+        _all_gather(out, slab.contiguous(), group=self.group)  # gloo wants the [R*n, ...] form
+        return out.view(r, *slab.shape)
 
     # ----------------------------------------------------------------- high-throughput (normal) mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Count what ``dispatch`` will send (local; no communication).
+        """Count what ``dispatch`` will send (local; no communication, no host sync).
 
         Arguments:
-            topk_idx: int64 [T, k], global expert ids, -1 = no selection.
+            topk_idx: int64 [T, k] contiguous, global expert ids, -1 = no selection.
             num_experts: global expert count E (a multiple of the rank count).
 
         Returns:
@@ -187,14 +234,18 @@ class TorchAll2AllBuffer:
                  async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Send each token once to every rank holding one of its experts.
 
+        Synchronises with the device once without a handle (the receive counts become host-side
+        sizes, as in DeepEP); not at all with a handle.
+
         Arguments:
-            x: [T, H] tensor (bf16; rows of a multiple of 16 bytes), or a tuple (float8_e4m3fn [T, H],
-                float32 scales [T, S]).
+            x: contiguous [T, H] tensor (bf16; rows of a multiple of 16 bytes), or a tuple
+                (float8_e4m3fn [T, H] contiguous, float32 scales [T, S]).
             handle: a handle from an earlier dispatch with the same routing: reuse its layout (then
                 topk_idx/topk_weights must be None).
             num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
                 ``get_dispatch_layout``'s results (needed without a handle).
-            topk_idx: int64 [T, k] global ids (-1 allowed); topk_weights: float32 [T, k].
+            topk_idx: int64 [T, k] global ids (-1 allowed); topk_weights: float32 [T, k]; both
+                contiguous, both given or neither.
             expert_alignment: each received per-expert count is rounded up to a multiple of this.
             num_worst_tokens: must be 0 (not supported).
             config, previous_event, async_finish, allocate_on_comm_stream: accepted, ignored.
@@ -214,60 +265,25 @@ class TorchAll2AllBuffer:
             raise ValueError(f"expert_alignment={expert_alignment} must be >= 1")
         x_data, x_scales = x if isinstance(x, tuple) else (x, None)
         self._check_rows(x_data, x_scales)
-        if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("dispatch with a cached handle takes no topk_idx/topk_weights")
-            if handle.is_token_in_rank.shape[0] != x_data.shape[0]:
-                raise ValueError(f"x has {x_data.shape[0]} tokens but the handle was made for "
-                                 f"{handle.is_token_in_rank.shape[0]}")
-            fields = self._send_rows(handle, [x_data] + ([x_scales] if x_scales is not None else []))
-            return (fields[0] if x_scales is None else tuple(fields)), None, None, None, None, None
-
-        for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                            ("num_tokens_per_expert", num_tokens_per_expert)):
-            if value is None:
-                raise ValueError(f"dispatch without a handle needs {name} (from get_dispatch_layout)")
-        t, r = x_data.shape[0], self.group_size
-        if tuple(is_token_in_rank.shape) != (t, r) or is_token_in_rank.dtype != torch.bool:
-            raise ValueError(f"is_token_in_rank must be bool [{t}, {r}]; got {is_token_in_rank.dtype} "
-                             f"{list(is_token_in_rank.shape)}")
-        num_experts = num_tokens_per_expert.numel()
-        e_local = check_experts_per_rank(num_experts, r)
-        if tuple(num_tokens_per_rank.shape) != (r,):
-            raise ValueError(f"num_tokens_per_rank must be [{r}]; got {list(num_tokens_per_rank.shape)}")
-        if topk_idx is not None:
-            self._check_topk(topk_idx, num_experts)  # no host read if get_dispatch_layout checked it
-            if topk_idx.shape[0] != t:
-                raise ValueError(f"topk_idx has {topk_idx.shape[0]} tokens, x has {t}")
-            if topk_weights is None or topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
-                raise ValueError(f"topk_weights must be float32 {list(topk_idx.shape)} alongside topk_idx")
-
-        # Counts to every rank: [R, 1 + E_local] = (tokens sent, per-expert selections).
-        counts = torch.cat([num_tokens_per_rank.view(r, 1).long(), num_tokens_per_expert.view(r, e_local).long()], 1)
-        got = self._exchange_counts(counts)
-        per_expert = got[:, 1:].sum(0)
-        per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
-        host = torch.cat([counts[:, 0], got[:, 0], per_expert]).tolist()  # the one read of the counts
-        send_splits, recv_splits, per_expert_list = host[:r], host[r:2 * r], host[2 * r:]
-        # Rows grouped by destination rank, token order within a rank.
-        _, token = is_token_in_rank.t().nonzero(as_tuple=True)
-        if token.numel() != sum(send_splits):
-            raise ValueError(f"num_tokens_per_rank {send_splits} does not match is_token_in_rank "
-                             f"({token.numel()} rows)")
-        handle = _HTHandle(is_token_in_rank, token, send_splits, recv_splits)
         fields = [x_data] + ([x_scales] if x_scales is not None else [])
+        if handle is not None:
+            self._check_cached_dispatch(x_data, handle, topk_idx, topk_weights)
+            got = self._send_rows(handle, fields)
+            return (got[0] if x_scales is None else tuple(got)), None, None, None, None, None
+
+        e_local = self._check_layout(x_data.shape[0], num_tokens_per_rank, is_token_in_rank,
+                                     num_tokens_per_expert, topk_idx, topk_weights)
+        send_splits, recv_splits, per_expert_list = self._agree_counts(
+            num_tokens_per_rank, num_tokens_per_expert, expert_alignment)
+        handle = _HTHandle(is_token_in_rank, self._send_order(is_token_in_rank, send_splits),
+                           send_splits, recv_splits)
         if topk_idx is not None:
             fields += [topk_idx, topk_weights]
-        got_fields = self._send_rows(handle, fields)
-        recv_x = tuple(got_fields[:2]) if x_scales is not None else got_fields[0]
-
+        got = self._send_rows(handle, fields)
+        recv_x = tuple(got[:2]) if x_scales is not None else got[0]
         recv_idx = recv_w = None
         if topk_idx is not None:
-            recv_idx, recv_w = got_fields[-2:]
-            local = recv_idx - self.rank * e_local
-            here = (recv_idx >= 0) & (local >= 0) & (local < e_local)
-            recv_idx = torch.where(here, local, torch.full_like(local, -1))
-            recv_w = torch.where(here, recv_w, torch.zeros_like(recv_w))
+            recv_idx, recv_w = self._localise(*got[-2:], e_local)
         return recv_x, recv_idx, recv_w, per_expert_list, handle, None
 
     def combine(self, x: torch.Tensor, handle: _HTHandle, topk_weights: torch.Tensor | None = None,
@@ -275,39 +291,72 @@ class TorchAll2AllBuffer:
                 allocate_on_comm_stream: bool = False):
         """Send each received row back to its source rank and sum a token's copies (unweighted).
 
+        No host sync (the sizes come from the handle).
+
         Arguments:
-            x: [T', H] (bf16), one row per received token, in ``dispatch``'s receive order.
+            x: bf16 [T', H] contiguous, one row per received token, in ``dispatch``'s receive order.
             handle: the handle ``dispatch`` returned.
-            topk_weights: optional float32 [T', k], summed back the same way.
-            bias: optional [T, H] tensor or tuple of up to two, added to the result.
+            topk_weights: optional float32 [T', k] contiguous, summed back the same way.
+            bias: optional bf16 [T, H] contiguous tensor or tuple of up to two, added to the result.
             config, previous_event, async_finish, allocate_on_comm_stream: accepted, ignored.
 
         Returns:
-            combined_x: [T, H], x's dtype (float32 accumulation; tokens sent nowhere are zero).
+            combined_x: bf16 [T, H] (float32 accumulation; tokens sent nowhere are zero).
             combined_topk_weights: float32 [T, k] or None.
             event: None.
         """
-        if not isinstance(handle, _HTHandle):
-            raise ValueError("combine needs the handle returned by this buffer's dispatch")
-        t_recv = sum(handle.recv_splits)
-        if x.dim() != 2 or x.shape[0] != t_recv:
-            raise ValueError(f"x must be [{t_recv}, H] (the received token count); got {list(x.shape)}")
-        if topk_weights is not None and (topk_weights.dim() != 2 or topk_weights.shape[0] != t_recv):
-            raise ValueError(f"topk_weights must have {t_recv} rows; got {list(topk_weights.shape)}")
-        t = handle.is_token_in_rank.shape[0]
-        fields = [x] + ([topk_weights.float()] if topk_weights is not None else [])
+        t = self._check_combine(x, handle, topk_weights, bias)
+        fields = [x] + ([topk_weights] if topk_weights is not None else [])
         back = self._exchange_packed(fields, handle.recv_splits, handle.send_splits)  # x and weights at once
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, handle.send_rows, back[0].float())
-        if bias is not None:
-            for b in bias if isinstance(bias, tuple) else (bias,):
-                if b is not None:
-                    out += b.float()
+        for b in (bias if isinstance(bias, tuple) else (bias,)):
+            if b is not None:
+                out += b.float()
         combined_w = None
         if topk_weights is not None:
             combined_w = torch.zeros(t, topk_weights.shape[1], dtype=torch.float32, device=x.device)
             combined_w.index_add_(0, handle.send_rows, back[1])
         return out.to(x.dtype), combined_w, None
+
+    # High-throughput steps.
+    def _agree_counts(self, num_tokens_per_rank, num_tokens_per_expert, expert_alignment):
+        """Exchange the [R, 1 + E_local] count matrix and read it to the host (the one sync).
+
+        Returns (rows sent to each rank, rows received from each rank, aligned selections received
+        per local expert), lists of ints."""
+        r = self.group_size
+        counts = torch.cat([num_tokens_per_rank.view(r, 1).long(),
+                            num_tokens_per_expert.view(r, -1).long()], 1)
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=self.group)  # row s: what rank s sends here
+        per_expert = got[:, 1:].sum(0)
+        per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+        host = torch.cat([counts[:, 0], got[:, 0], per_expert]).tolist()
+        return host[:r], host[r:2 * r], host[2 * r:]
+
+    def _send_order(self, is_token_in_rank: torch.Tensor, send_splits: list[int]) -> torch.Tensor:
+        """Token index of each row to send: grouped by destination rank, token order within one.
+
+        A stable sort puts the True entries of the [R, T] mask first in (rank, token) order; the
+        host already knows how many there are, so no device value is read."""
+        t = is_token_in_rank.shape[0]
+        mask = is_token_in_rank.t().reshape(-1)
+        if _checks_values(is_token_in_rank):
+            per_rank = is_token_in_rank.sum(0).tolist()
+            if per_rank != send_splits:
+                raise ValueError(f"num_tokens_per_rank {send_splits} does not match is_token_in_rank "
+                                 f"(per-rank sums {per_rank})")
+        if t == 0:
+            return torch.zeros(0, dtype=torch.int64, device=mask.device)
+        order = torch.sort((~mask).to(torch.uint8), stable=True).indices[:sum(send_splits)]
+        return order % t
+
+    def _localise(self, recv_idx: torch.Tensor, recv_w: torch.Tensor, e_local: int):
+        """Received global ids -> local ids of experts here, -1 (weight 0) elsewhere."""
+        local = recv_idx - self.rank * e_local
+        here = (recv_idx >= 0) & (local >= 0) & (local < e_local)
+        return torch.where(here, local, -1), torch.where(here, recv_w, 0.0)
 
     def _send_rows(self, handle: _HTHandle, fields: list[torch.Tensor]) -> list[torch.Tensor]:
         """The handle's rows of each [T, ...] field, sent in one exchange: [T', ...] each."""
@@ -321,13 +370,17 @@ class TorchAll2AllBuffer:
                              return_recv_hook: bool = False):
         """Send one copy of each token per selected expert into a per-expert (masked) layout.
 
+        No host sync: fixed-size messages, positions computed on the device (CUDA-graph capturable).
+
         Arguments:
-            x: bf16 [T, H], T <= num_max_dispatch_tokens_per_rank; H one of DeepEP's LL hidden sizes.
-            topk_idx: int64 [T, k] global expert ids, -1 = none; k <= 11.
+            x: bf16 [T, H] contiguous, T <= num_max_dispatch_tokens_per_rank; H one of DeepEP's LL
+                hidden sizes.
+            topk_idx: int64 [T, k] contiguous global expert ids, -1 = none; k <= 11.
             num_max_dispatch_tokens_per_rank: N, identical on every rank.
             num_experts: E, a multiple of the rank count R.
-            cumulative_local_expert_recv_stats: optional int32 [E_local]; recv_count is added to it.
-            dispatch_wait_recv_cost_stats: accepted, left untouched (no timing here).
+            cumulative_local_expert_recv_stats: optional int32 [E_local] contiguous; recv_count is
+                added to it.
+            dispatch_wait_recv_cost_stats: optional int64 [R] contiguous, left untouched (no timing).
             use_fp8: quantise per 1x128 group as DeepEP does (scale_inv = amax / 448, amax floored at
                 1e-4; ``round_scale`` rounds scale_inv up to a power of two). ``use_ue8m0`` is refused.
             async_finish, return_recv_hook: mutually exclusive; the hook is a no-op.
@@ -341,78 +394,20 @@ class TorchAll2AllBuffer:
             event: None.
             hook: a no-op callable with ``return_recv_hook``, else None.
         """
-        n, h = num_max_dispatch_tokens_per_rank, x.shape[-1] if x.dim() == 2 else -1
-        r = self.group_size
-        if not self.low_latency_mode:
-            raise ValueError("low_latency_dispatch needs a buffer built with low_latency_mode=True")
-        if x.dim() != 2 or x.dtype != torch.bfloat16:
-            raise ValueError(f"x must be bf16 [T, H]; got {x.dtype} {list(x.shape)}")
-        if use_ue8m0:
-            raise ValueError("use_ue8m0=True: UE8M0 scales are not supported by TorchAll2AllBuffer")
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
-        e_local = self._check_topk(topk_idx, num_experts)
-        t, k = topk_idx.shape
-        if t != x.shape[0]:
-            raise ValueError(f"topk_idx has {t} tokens, x has {x.shape[0]}")
-        if k > sizing.LL_MAX_TOPK:
-            raise ValueError(f"top-k {k} > {sizing.LL_MAX_TOPK}, the most DeepEP's low-latency kernels take")
-        if t > n:
-            raise ValueError(f"{t} tokens exceed num_max_dispatch_tokens_per_rank={n}")
-        need = sizing.check_low_latency_config(n, h, r, num_experts)
-        if need > self.num_rdma_bytes:
-            bn, bh, be = self.ll_sizes
-            raise ValueError(
-                f"low-latency buffer too small: (N={n}, H={h}, E={num_experts}) needs {need} bytes, the buffer "
-                f"was sized for (N={bn}, H={bh}, E={be}) = {self.num_rdma_bytes} bytes "
-                "(DeepEP's layout.total_bytes <= num_rdma_bytes)")
-
-        # One (token, slot) pair per selected expert, sorted by expert: grouped by destination rank,
-        # then by local expert, token order within an expert (nonzero lists the pairs in token
-        # order, and the sort is stable).
-        tok, slot = (topk_idx >= 0).nonzero(as_tuple=True)
-        expert = topk_idx[tok, slot]
-        order = torch.sort(expert, stable=True).indices
-        tok, slot, expert = tok[order], slot[order], expert[order]
-        per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device) \
-            .index_add_(0, expert, torch.ones_like(expert)).view(r, e_local)
-        counts = torch.cat([per_expert, torch.full((r, 1), n, dtype=torch.int64, device=x.device)], 1)
-        got = self._exchange_counts(counts)  # [R(src), E_local + 1]
-        host = torch.cat([got.reshape(-1), per_expert.sum(1)]).tolist()  # the one read of the counts
-        got_rows = [host[i * (e_local + 1):(i + 1) * (e_local + 1)] for i in range(r)]
-        if any(row[-1] != n for row in got_rows):
-            raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: {[row[-1] for row in got_rows]}")
-        got = got[:, :-1]
-        send_splits = host[r * (e_local + 1):]
-        recv_splits = [sum(row[:-1]) for row in got_rows]
-
-        # Where each received row goes: expert e's slice holds source rank 0's rows, then rank 1's...
-        flat = got.reshape(-1)  # received blocks in (src, e) order
-        block_start = torch.cumsum(flat, 0) - flat
-        slice_start = (torch.cumsum(got, 0) - got).reshape(-1)  # offset of src s inside expert e's slice
-        block = torch.repeat_interleave(torch.arange(flat.numel(), device=x.device), flat,
-                                        output_size=sum(recv_splits))
-        recv_expert = block % e_local
-        recv_pos = slice_start[block] + torch.arange(block.numel(), device=x.device) - block_start[block]
-        handle = _LLHandle(tok, slot, send_splits, recv_splits, recv_expert, recv_pos, n, h, num_experts)
-
-        recv_count = got.sum(0).to(torch.int32)
+        n = num_max_dispatch_tokens_per_rank
+        e_local = self._check_ll_dispatch(x, topk_idx, n, num_experts, cumulative_local_expert_recv_stats,
+                                          dispatch_wait_recv_cost_stats, use_fp8, use_ue8m0, async_finish,
+                                          return_recv_hook)
+        slabs = self._all_gather(_ll_slab(x, topk_idx, n, use_fp8, round_scale))  # [R, N, row] bytes
+        ids, scales, data = _ll_unpack(slabs, topk_idx.shape[1], x.shape[1], use_fp8)
+        served, local, pos, recv_count = self._ll_route(ids, e_local)
+        recv_x = _ll_scatter(data, scales, served, local, pos, e_local)
         if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.dtype)
-        hook = (lambda: None) if return_recv_hook else None
-        if not use_fp8:
-            recv_x = torch.empty(e_local, r * n, h, dtype=torch.bfloat16, device=x.device)
-            recv_x[recv_expert, recv_pos] = self._exchange(x[tok], send_splits, recv_splits)
-            return recv_x, recv_count, handle, None, hook
-
-        # Quantise each token once (the cast is per row), then send its row once per selected expert.
-        q, s = _ll_quant(x, round_scale)
-        got_q, got_s = self._exchange_packed([q, s], send_splits, recv_splits, rows=tok)
-        recv_q = torch.empty(e_local, r * n, h, dtype=torch.float8_e4m3fn, device=x.device)
-        recv_s = torch.empty(e_local, h // 128, r * n, dtype=torch.float32, device=x.device).transpose(1, 2)
-        recv_q[recv_expert, recv_pos] = got_q
-        recv_s[recv_expert, recv_pos] = got_s
-        return (recv_q, recv_s), recv_count, handle, None, hook
+            cumulative_local_expert_recv_stats += recv_count
+        rows_per_expert = self.group_size * n
+        handle = _LLHandle(torch.where(served, local * rows_per_expert + pos, 0), served, x.shape[0], n,
+                           x.shape[1], num_experts)
+        return recv_x, recv_count, handle, None, ((lambda: None) if return_recv_hook else None)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: _LLHandle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -420,77 +415,202 @@ class TorchAll2AllBuffer:
                             out: torch.Tensor | None = None, combine_wait_recv_cost_stats=None):
         """Send expert outputs back and reduce them with the top-k weights on the source rank.
 
+        No host sync (CUDA-graph capturable).
+
         Arguments:
-            x: bf16 [E_local, R*N, H], expert outputs in ``low_latency_dispatch``'s layout (only the
-                valid rows are read).
-            topk_idx: int64 [T, k] as dispatched; topk_weights: float32 [T, k].
+            x: bf16 [E_local, R*N, H] contiguous, expert outputs in ``low_latency_dispatch``'s layout
+                (only the valid rows are read).
+            topk_idx: int64 [T, k] contiguous, as dispatched; topk_weights: float32 [T, k]
+                contiguous, T <= N.
             handle: from ``low_latency_dispatch``.
-            out: optional bf16 [T, H] written and returned.
-            use_logfmt, zero_copy, combine_wait_recv_cost_stats: accepted, ignored (combine is exact).
+            out: optional bf16 [T, H] contiguous, written and returned.
+            use_logfmt, zero_copy: accepted, ignored (combine is exact).
+            combine_wait_recv_cost_stats: optional int64 [R] contiguous, left untouched.
             async_finish, return_recv_hook: mutually exclusive; the hook is a no-op.
 
         Returns:
             combined_x: bf16 [T, H] = sum over slots j with topk_idx[t, j] >= 0 of
                 topk_weights[t, j] * expert output (float32 accumulation); event: None; hook.
         """
-        if not isinstance(handle, _LLHandle):
-            raise ValueError("low_latency_combine needs the handle returned by low_latency_dispatch")
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
-        e_local = handle.num_experts // self.group_size
-        shape = (e_local, self.group_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-        if tuple(x.shape) != shape or x.dtype != torch.bfloat16:
-            raise ValueError(f"x must be bf16 {list(shape)}; got {x.dtype} {list(x.shape)}")
-        if topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
-            raise ValueError(f"topk_weights must be float32 {list(topk_idx.shape)}; got "
-                             f"{topk_weights.dtype} {list(topk_weights.shape)}")
-        t = topk_idx.shape[0]
-        if out is not None and (tuple(out.shape) != (t, handle.hidden) or out.dtype != torch.bfloat16):
-            raise ValueError(f"out must be bf16 [{t}, {handle.hidden}]; got {out.dtype} {list(out.shape)}")
-        back = self._exchange(x[handle.recv_expert, handle.recv_pos], handle.recv_splits, handle.send_splits)
-        acc = torch.zeros(t, handle.hidden, dtype=torch.float32, device=x.device)
-        w = topk_weights[handle.src_token, handle.src_slot].unsqueeze(1)
-        acc.index_add_(0, handle.src_token, back.float() * w)
+        self._check_ll_combine(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
+                               async_finish, return_recv_hook)
+        n, t, h = handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden
+        weights = self._all_gather(_pad_rows(topk_weights, n)).view(-1, topk_weights.shape[1])
+        partial = _ll_partial_sums(x.view(-1, h), weights, handle)            # [R*N, H] f32
+        back = torch.empty_like(partial)
+        dist.all_to_all_single(back, partial, group=self.group)               # [R(expert rank)*N, H]
         if out is None:
-            out = torch.empty(t, handle.hidden, dtype=torch.bfloat16, device=x.device)
-        out.copy_(acc)
+            out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
+        out.copy_(back.view(self.group_size, n, h)[:, :t].sum(0))
         return out, None, ((lambda: None) if return_recv_hook else None)
+
+    # Low-latency steps.
+    def _ll_route(self, ids: torch.Tensor, e_local: int):
+        """Where each received (source, token, slot) pair goes, from the gathered ids [R*N, k].
+
+        Returns served (bool [R*N, k]: the expert lives here), local (int64: its local expert,
+        clamped into range), pos (int64: its row in that expert's [R*N] slice; pairs are numbered
+        in (source, token, slot) order) and recv_count (int32 [E_local])."""
+        local = ids - self.rank * e_local
+        served = (local >= 0) & (local < e_local)
+        local = local.clamp(0, e_local - 1)
+        hits = (local.view(-1, 1) == torch.arange(e_local, device=ids.device)) & served.view(-1, 1)
+        running = hits.cumsum(0, dtype=torch.int32)                            # [R*N*k, E_local]
+        pos = running.gather(1, local.view(-1, 1)).view(ids.shape).long() - 1
+        rows_per_expert = ids.shape[0]
+        served &= pos < rows_per_expert  # only a token listing one expert twice can overflow
+        return served, local, pos, running[-1].clamp(max=rows_per_expert)
 
     # ----------------------------------------------------------------- validation
     def _check_topk(self, topk_idx: torch.Tensor, num_experts: int) -> int:
-        """Validate topk_idx against num_experts; return E_local. The value range costs one host
-        read (aminmax), skipped when this very tensor, unmodified, was checked last."""
-        if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
-            raise ValueError(f"topk_idx must be int64 [T, k]; got {topk_idx.dtype} {list(topk_idx.shape)}")
+        """Validate topk_idx against num_experts; return E_local. The value range is read where
+        ``_checks_values`` allows it."""
+        _check_tensor("topk_idx", topk_idx, torch.int64, 2)
         e_local = check_experts_per_rank(num_experts, self.group_size)
-        last = self._checked_topk
-        if last is not None and last[0]() is topk_idx and last[1:] == (topk_idx._version, num_experts):
-            return e_local
-        if topk_idx.numel():
+        if topk_idx.numel() and _checks_values(topk_idx):
             lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
             if lo < -1 or hi >= num_experts:
                 raise ValueError(f"topk_idx values must lie in [-1, {num_experts}); got [{lo}, {hi}]")
-        self._checked_topk = (weakref.ref(topk_idx), topk_idx._version, num_experts)
         return e_local
 
     @staticmethod
-    def _check_rows(x: torch.Tensor, scales: torch.Tensor | None) -> None:
-        if x.dim() != 2 or (x.shape[1] * x.element_size()) % 16:
-            raise ValueError(f"x must be [T, H] with rows of a multiple of 16 bytes; got {x.dtype} {list(x.shape)}")
+    def _check_rows(x, scales) -> None:
+        check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_contiguous(),
+              f"x must be a contiguous [T, H] tensor; got {_describe(x)}")
+        if (x.shape[1] * x.element_size()) % 16:
+            raise ValueError(f"x must be [T, H] with rows of a multiple of 16 bytes; got {_describe(x)}")
         if scales is not None:
-            if x.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"with scales, x must be float8_e4m3fn; got {x.dtype}")
-            if scales.dim() != 2 or scales.shape[0] != x.shape[0] or scales.dtype != torch.float32:
-                raise ValueError(f"scales must be float32 [{x.shape[0]}, S]; got {scales.dtype} {list(scales.shape)}")
+            check(x.dtype == FP8_DTYPE, f"with scales, x must be float8_e4m3fn; got {x.dtype}")
+            _check_tensor("x scales", scales, torch.float32, 2, contiguous=False)
+            check(scales.shape[0] == x.shape[0],
+                  f"x scales must have {x.shape[0]} rows (one per token); got {list(scales.shape)}")
+
+    @staticmethod
+    def _check_cached_dispatch(x, handle, topk_idx, topk_weights) -> None:
+        check(isinstance(handle, _HTHandle), "handle must be the one this buffer's dispatch returned")
+        check(topk_idx is None and topk_weights is None,
+              "dispatch with a cached handle takes no topk_idx/topk_weights")
+        t = handle.is_token_in_rank.shape[0]
+        check(x.shape[0] == t, f"x has {x.shape[0]} tokens but the handle was made for {t}")
+
+    def _check_layout(self, t, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                      topk_idx, topk_weights) -> int:
+        """Check a dispatch without a handle; return E_local."""
+        r = self.group_size
+        for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                            ("num_tokens_per_expert", num_tokens_per_expert)):
+            check(value is not None, f"dispatch without a handle needs {name} (from get_dispatch_layout)")
+        _check_tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2)
+        check(tuple(is_token_in_rank.shape) == (t, r),
+              f"is_token_in_rank must be [{t}, {r}] (tokens, ranks); got {list(is_token_in_rank.shape)}")
+        _check_tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1)
+        check(num_tokens_per_rank.shape[0] == r,
+              f"num_tokens_per_rank must be [{r}]; got {list(num_tokens_per_rank.shape)}")
+        _check_tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1)
+        e_local = check_experts_per_rank(num_tokens_per_expert.numel(), r)
+        check((topk_idx is None) == (topk_weights is None), "topk_idx and topk_weights go together: "
+              "pass both or neither")
+        if topk_idx is not None:
+            self._check_topk(topk_idx, num_tokens_per_expert.numel())
+            check(topk_idx.shape[0] == t, f"topk_idx has {topk_idx.shape[0]} tokens, x has {t}")
+            _check_tensor("topk_weights", topk_weights, torch.float32, 2)
+            check(topk_weights.shape == topk_idx.shape,
+                  f"topk_weights must be {list(topk_idx.shape)} like topk_idx; got {list(topk_weights.shape)}")
+        return e_local
+
+    @staticmethod
+    def _check_combine(x, handle, topk_weights, bias) -> int:
+        """Check combine's arguments; return T, the token count of the dispatch."""
+        check(isinstance(handle, _HTHandle), "combine needs the handle returned by this buffer's dispatch")
+        t_recv, t = sum(handle.recv_splits), handle.is_token_in_rank.shape[0]
+        _check_tensor("x", x, torch.bfloat16, 2)
+        check(x.shape[0] == t_recv, f"x must be [{t_recv}, H] (the received token count); got {list(x.shape)}")
+        if topk_weights is not None:
+            _check_tensor("topk_weights", topk_weights, torch.float32, 2)
+            check(topk_weights.shape[0] == t_recv,
+                  f"topk_weights must have {t_recv} rows; got {list(topk_weights.shape)}")
+        biases = bias if isinstance(bias, tuple) else (bias,)
+        check(len(biases) <= 2, f"bias takes at most two tensors; got {len(biases)}")
+        for b in biases:
+            if b is not None:
+                _check_tensor("bias", b, x.dtype, 2)
+                check(tuple(b.shape) == (t, x.shape[1]), f"bias must be [{t}, {x.shape[1]}]; got {list(b.shape)}")
+        return t
+
+    def _check_ll_dispatch(self, x, topk_idx, n, num_experts, recv_stats, wait_stats, use_fp8, use_ue8m0,
+                           async_finish, return_recv_hook) -> int:
+        """Check low_latency_dispatch's arguments (and, where values are checked, that N agrees
+        across ranks: a collective); return E_local."""
+        check(self.low_latency_mode, "low_latency_dispatch needs a buffer built with low_latency_mode=True")
+        _check_tensor("x", x, torch.bfloat16, 2)
+        check(not use_ue8m0, "use_ue8m0=True: UE8M0 scales are not supported by TorchAll2AllBuffer")
+        check(not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive")
+        e_local = self._check_topk(topk_idx, num_experts)
+        t, k = topk_idx.shape
+        check(t == x.shape[0], f"topk_idx has {t} tokens, x has {x.shape[0]}")
+        check(k <= sizing.LL_MAX_TOPK, f"top-k {k} > {sizing.LL_MAX_TOPK}, the most DeepEP's low-latency kernels take")
+        check(t <= n, f"{t} tokens exceed num_max_dispatch_tokens_per_rank={n}")
+        self._check_ll_size(n, x.shape[1], num_experts)
+        if recv_stats is not None:
+            _check_tensor("cumulative_local_expert_recv_stats", recv_stats, torch.int32, 1)
+            check(recv_stats.shape[0] == e_local, f"cumulative_local_expert_recv_stats must be [{e_local}] "
+                  f"(E_local); got {list(recv_stats.shape)}")
+        self._check_wait_stats("dispatch_wait_recv_cost_stats", wait_stats)
+        if _checks_values(x):
+            self._check_same_n(n, x.device)
+        return e_local
+
+    def _check_ll_size(self, n: int, h: int, num_experts: int) -> None:
+        need = sizing.check_low_latency_config(n, h, self.group_size, num_experts)
+        if need > self.num_rdma_bytes:
+            bn, bh, be = self.ll_sizes
+            raise ValueError(
+                f"low-latency buffer too small: (N={n}, H={h}, E={num_experts}) needs {need} bytes, the buffer "
+                f"was sized for (N={bn}, H={bh}, E={be}) = {self.num_rdma_bytes} bytes "
+                "(DeepEP's layout.total_bytes <= num_rdma_bytes)")
+
+    def _check_wait_stats(self, name, stats) -> None:
+        if stats is not None:
+            _check_tensor(name, stats, torch.int64, 1)
+            check(stats.shape[0] == self.group_size, f"{name} must be [{self.group_size}] (one per rank); "
+                  f"got {list(stats.shape)}")
+
+    def _check_same_n(self, n: int, device: torch.device) -> None:
+        """Every rank must pass the same N (the message size): gathered and compared."""
+        got = self._all_gather(torch.tensor([n], dtype=torch.int64, device=device)).view(-1).tolist()
+        if len(set(got)) > 1:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: {got}")
+
+    def _check_ll_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats, async_finish,
+                          return_recv_hook) -> None:
+        check(isinstance(handle, _LLHandle), "low_latency_combine needs the handle returned by low_latency_dispatch")
+        check(not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive")
+        n, t, h = handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden
+        shape = (handle.num_experts // self.group_size, self.group_size * n, h)
+        _check_tensor("x", x, torch.bfloat16, 3)
+        check(tuple(x.shape) == shape, f"x must be {list(shape)} ([E_local, R*N, H]); got {list(x.shape)}")
+        _check_tensor("topk_idx", topk_idx, torch.int64, 2)
+        _check_tensor("topk_weights", topk_weights, torch.float32, 2)
+        check(topk_weights.shape == topk_idx.shape, f"topk_weights must be {list(topk_idx.shape)} like "
+              f"topk_idx; got {list(topk_weights.shape)}")
+        check(topk_weights.shape[0] <= n, f"topk_weights has {topk_weights.shape[0]} rows; at most "
+              f"num_max_dispatch_tokens_per_rank={n}")
+        k = handle.served.shape[1]
+        check(tuple(topk_idx.shape) == (t, k), f"topk_idx must be [{t}, {k}] as dispatched; got {list(topk_idx.shape)}")
+        if out is not None:
+            _check_tensor("out", out, torch.bfloat16, 2)
+            check(tuple(out.shape) == (t, h), f"out must be [{t}, {h}]; got {list(out.shape)}")
+        self._check_wait_stats("combine_wait_recv_cost_stats", wait_stats)
 
 
+# ----------------------------------------------------------------- low-latency helpers (no host sync)
 def _ll_quant(rows: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepEP's low-latency FP8 cast of bf16 rows [P, H]: per 1x128 group, amax floored at 1e-4,
     scale = 448 / amax, q = saturate(x * scale) rounded to nearest even, scale_inv = amax * (1/448)
     (round_scale: scale_inv rounded up to a power of two and scale = 1 / scale_inv).
     Returns (float8_e4m3fn [P, H], float32 scale_inv [P, H/128])."""
     p, h = rows.shape
-    g = rows.float().view(p, h // 128, 128)
+    g = rows.float().view(p, h // SCALE_BLOCK, SCALE_BLOCK)
     amax = g.abs().amax(-1).clamp(min=LL_AMAX_FLOOR)
     if round_scale:
         scale_inv = torch.exp2(torch.ceil(torch.log2(amax * (1.0 / FP8_MAX))))
@@ -498,6 +618,81 @@ def _ll_quant(rows: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torc
     else:
         scale_inv = amax * (1.0 / FP8_MAX)
         scale = torch.full_like(amax, FP8_MAX) / amax  # one correctly rounded division, as DeepEP
-    q = (g * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = (g * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(p, h), scale_inv
 
+
+def _ll_row_layout(k: int, h: int, use_fp8: bool) -> tuple[int, int, int]:
+    """Byte offsets in a slab row: (scales start, data start, row size); ids start at 0."""
+    scales_at = 8 * k
+    data_at = scales_at + (4 * (h // SCALE_BLOCK) if use_fp8 else 0)
+    return scales_at, data_at, align_up(data_at + h * (1 if use_fp8 else 2), _LL_ROW_ALIGN)
+
+
+def _ll_slab(x: torch.Tensor, topk_idx: torch.Tensor, n: int, use_fp8: bool, round_scale: bool) -> torch.Tensor:
+    """This rank's message, uint8 [N, row]: per token its ids, scales (fp8 only) and data; rows
+    T..N-1 carry ids -1 and nothing else."""
+    t, k = topk_idx.shape
+    h = x.shape[1]
+    scales_at, data_at, row = _ll_row_layout(k, h, use_fp8)
+    slab = torch.empty(n, row, dtype=torch.uint8, device=x.device)
+    ids = slab[:, :scales_at].view(torch.int64)
+    ids[:t] = topk_idx
+    ids[t:] = -1
+    if use_fp8:
+        q, s = _ll_quant(x, round_scale)
+        slab[:t, scales_at:data_at] = s.view(torch.uint8)
+        slab[:t, data_at:data_at + h] = q.view(torch.uint8)
+    else:
+        slab[:t, data_at:data_at + 2 * h] = x.view(torch.uint8)
+    return slab
+
+
+def _ll_unpack(slabs: torch.Tensor, k: int, h: int, use_fp8: bool):
+    """Views of the gathered slabs [R, N, row]: ids int64 [R*N, k], scales float32 [R*N, H/128]
+    (None without fp8) and data bytes [R*N, H or 2H]."""
+    scales_at, data_at, row = _ll_row_layout(k, h, use_fp8)
+    flat = slabs.view(-1, row)
+    scales = flat[:, scales_at:data_at].view(torch.float32) if use_fp8 else None
+    return flat[:, :scales_at].view(torch.int64), scales, flat[:, data_at:data_at + h * (1 if use_fp8 else 2)]
+
+
+def _ll_scatter(data: torch.Tensor, scales: torch.Tensor | None, served: torch.Tensor, local: torch.Tensor,
+                pos: torch.Tensor, e_local: int):
+    """Write each served pair's row into recv_x [E_local, R*N, H] (and its scales into the
+    column-major [E_local, R*N, H/128]); pairs served elsewhere write one spare row (or element)
+    past the end, so no pair needs a host-side count."""
+    rows_per_expert, k = served.shape
+    width = data.shape[1]
+    spare = e_local * rows_per_expert
+    dest = torch.where(served, local * rows_per_expert + pos, spare)            # [R*N, k]
+    recv = torch.empty(spare + 1, width, dtype=torch.uint8, device=data.device)
+    recv.index_put_((dest,), data.unsqueeze(1).expand(-1, k, -1))
+    if scales is None:
+        return recv[:spare].view(torch.bfloat16).view(e_local, rows_per_expert, width // 2)
+    groups = scales.shape[1]
+    # Element (e, row, g) of the column-major scales sits at e*G*R*N + g*R*N + row.
+    group_at = torch.arange(groups, device=data.device) * rows_per_expert
+    at = torch.where(served.unsqueeze(-1), (local * groups * rows_per_expert + pos).unsqueeze(-1) + group_at,
+                     spare * groups)                                            # [R*N, k, G]
+    recv_s = torch.empty(spare * groups + 1, dtype=torch.float32, device=data.device)
+    recv_s.index_put_((at,), scales.unsqueeze(1).expand(-1, k, -1))
+    recv_s = recv_s[:spare * groups].view(e_local, groups, rows_per_expert).transpose(1, 2)
+    return recv[:spare].view(FP8_DTYPE).view(e_local, rows_per_expert, width), recv_s
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [T, ...] -> [n, ...] with zero rows appended."""
+    out = t.new_zeros(n, *t.shape[1:])
+    out[:t.shape[0]] = t
+    return out
+
+
+def _ll_partial_sums(x_rows: torch.Tensor, weights: torch.Tensor, handle: _LLHandle) -> torch.Tensor:
+    """Per received (source, token): sum over the slots served here of weight * expert output,
+    float32 [R*N, H]. Slots served elsewhere contribute exact zeros whatever their rows hold (a
+    zero weight alone would not cancel NaN garbage)."""
+    k = handle.served.shape[1]
+    got = x_rows.index_select(0, handle.recv_row.view(-1)).view(-1, k, x_rows.shape[1])
+    weighted = torch.where(handle.served.unsqueeze(-1), got * weights.unsqueeze(-1), 0.0)  # f32
+    return weighted.sum(1)

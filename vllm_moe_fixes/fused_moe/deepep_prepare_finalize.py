@@ -2,34 +2,35 @@
 
 High-throughput (STANDARD format): quantise to FP8 (1x128) on the source rank, send each token once
 to every rank holding one of its experts (``get_dispatch_layout`` + ``dispatch``), run the
-contiguous experts on what arrived, then weight, ``moe_sum`` and ``combine`` back:
+contiguous experts on what arrived, then weight and sum over the k slots (unless the experts did)
+and ``combine`` back:
 
     a1 [M, K] bf16 --quant--> (fp8 [M, K], f32 [M, K/128]) --dispatch--> (fp8 [M', K], f32 [M', K/128]),
         received ids (local, -1 = elsewhere) -> global ids (+ rank_expert_offset), weights (0 at -1)
-    experts -> [M', k, K] (-1 slots exact zeros) --weighted moe_sum--> [M', K] --combine--> output [M, K]
+    experts -> [M', K] reduced, or [M', k, K] (-1 slots exact zeros) --weighted moe_sum--> [M', K]
+        --combine--> output [M, K]
 
 Low-latency (BATCHED format): ``low_latency_dispatch`` builds the masked layout [E_l, R*N, K] with
 per-expert valid-row counts; the batched experts compute those rows; ``low_latency_combine``
 applies the weights, reduces and writes the caller's output.
 
-One object serves one layer call at a time: prepare keeps the dispatch handle for finalize.
+Chunks: every dispatch and combine is a collective, so every rank of the group runs the same
+number of passes (``num_chunks``), a rank with fewer tokens running empty ones (M = 0).
+
+One object serves one layer pass at a time: prepare keeps the dispatch handle for finalize.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.fused_moe.batched_experts import quant_batched_fp8
-from vllm_moe_fixes.fused_moe.modular_kernel import (
-    BLOCK,
-    ActivationFormat,
-    PrepareAndFinalize,
-    PrepareResult,
-)
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, PrepareAndFinalize, PrepareResult
+from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
-
 
 
 def _weighted_input(a1: torch.Tensor, topk_weights: torch.Tensor, on_input: bool) -> torch.Tensor:
@@ -37,8 +38,55 @@ def _weighted_input(a1: torch.Tensor, topk_weights: torch.Tensor, on_input: bool
     return a1 * topk_weights.to(a1.dtype) if on_input else a1
 
 
-class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
+def group_max_tokens(group: dist.ProcessGroup | None, num_tokens: int) -> int:
+    """The largest ``num_tokens`` over the ranks of ``group``: one all-reduce (MAX), read on the
+    host (a device synchronisation on NCCL)."""
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    count = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count.item())
+
+
+class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
+    """What both DeepEP modes share: the buffer, the rank count, chunks agreed across ranks and
+    the dispatch state kept from prepare to finalize."""
+
+    _needs: tuple[str, ...] = ()  # buffer methods this mode calls
+
+    def __init__(self, buffer, num_dispatchers: int) -> None:
+        missing = [m for m in self._needs if not callable(getattr(buffer, m, None))]
+        if missing:
+            raise ValueError(f"buffer must be a deep_ep.Buffer or TorchAll2AllBuffer (with "
+                             f"{', '.join(self._needs)}); got {type(buffer).__name__}")
+        check_positive_int("num_dispatchers", num_dispatchers)
+        self.buffer = buffer
+        self._num_dispatchers = num_dispatchers
+        self._pending = None  # what finalize needs from the last prepare
+
+    def num_dispatchers(self) -> int:
+        return self._num_dispatchers
+
+    def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None) -> int:
+        """cdiv(largest token count of the group's ranks, chunk_size), the same on every rank.
+
+        Without max_tokens_across_ranks, one all-reduce (MAX) on the buffer's group finds it: a
+        host synchronisation, so a CUDA graph capture must pass it."""
+        if max_tokens_across_ranks is None:
+            max_tokens_across_ranks = group_max_tokens(getattr(self.buffer, "group", None), num_tokens)
+        return -(-max_tokens_across_ranks // chunk_size)
+
+    def _take_pending(self):
+        if self._pending is None:
+            raise ValueError("finalize called without a preceding prepare")
+        pending, self._pending = self._pending, None
+        return pending
+
+
+class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     """DeepEP high-throughput (normal-mode) dispatch/combine; STANDARD activation format.
+
+    The dispatch reads the receive counts on the host once per pass (DeepEP's does too).
 
     Arguments:
         buffer: a ``deep_ep.Buffer`` or ``TorchAll2AllBuffer`` over the expert-parallel group.
@@ -48,23 +96,20 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
     """
 
     activation_format = ActivationFormat.STANDARD
+    _needs = ("get_dispatch_layout", "dispatch", "combine")
 
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int) -> None:
-        check_positive_int("num_dispatchers", num_dispatchers)
-        if not isinstance(rank_expert_offset, int) or rank_expert_offset < 0:
+        super().__init__(buffer, num_dispatchers)
+        if isinstance(rank_expert_offset, bool) or not isinstance(rank_expert_offset, int) \
+                or rank_expert_offset < 0:
             raise ValueError(f"rank_expert_offset={rank_expert_offset!r} must be an int >= 0")
-        self.buffer = buffer
-        self._num_dispatchers = num_dispatchers
         self.rank_expert_offset = rank_expert_offset
         self.num_recv_tokens_per_expert: list[int] | None = None  # of the last prepare
-        self._handle = None
-
-    def num_dispatchers(self) -> int:
-        return self._num_dispatchers
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:
-        """a1 bf16 [M, K] (M may be 0), topk_weights f32 [M, k], topk_ids int64 [M, k] global ids.
+        """a1 bf16 [M, K] (M may be 0), topk_weights f32 [M, k], topk_ids int32/int64 [M, k]
+        global ids.
 
         Returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the M' tokens received,
         topk_ids int64 [M', k] GLOBAL ids of experts on this rank (-1 elsewhere) and topk_weights
@@ -73,66 +118,67 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
         """
         check_experts_per_rank(num_experts, self._num_dispatchers)
         a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input)
-        a1q, a1s = per_token_group_quant_fp8(a1, BLOCK)
-        topk_ids = topk_ids.contiguous()
-        per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_ids, num_experts)
+        a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
+        ids = topk_ids.to(torch.int64).contiguous()  # DeepEP takes int64 ids
+        per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, num_experts)
         (recv_q, recv_s), recv_ids, recv_w, counts, handle, _ = self.buffer.dispatch(
             (a1q, a1s), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_ids,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
             topk_weights=topk_weights.float().contiguous())
-        self._handle = handle
+        self._pending = handle
         self.num_recv_tokens_per_expert = counts
         global_ids = torch.where(recv_ids >= 0, recv_ids + self.rank_expert_offset, recv_ids)
         return PrepareResult(a1q=recv_q, a1q_scale=recv_s, topk_ids=global_ids, topk_weights=recv_w)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input) -> None:
-        """fused_expert_output [M', k, K]: summed over k with the received weights (float32 math),
-        combined back to the source ranks and copied into output [M, K]. Slots with id -1 hold
-        exact zeros: the standard experts guarantee it (a zero weight alone would not cancel
-        garbage, 0 * NaN = NaN)."""
-        if self._handle is None:
-            raise ValueError("finalize called without a preceding prepare")
-        reduced = moe_sum(fused_expert_output,
-                          topk_weights=None if apply_router_weight_on_input else topk_weights)
-        combined, _, _ = self.buffer.combine(reduced, self._handle)
-        self._handle = None
+                 apply_router_weight_on_input, *, output_is_reduced: bool = False) -> None:
+        """Combine the experts' output back to the source ranks into output [M, K].
+
+        fused_expert_output: [M', K] already weighted and summed (output_is_reduced), combined as
+        it is; or [M', k, K], first summed over k with the received weights (float32 math; none
+        when the weights went on the input). Slots with id -1 hold exact zeros: the standard
+        experts guarantee it (a zero weight alone would not cancel garbage, 0 * NaN = NaN)."""
+        handle = self._take_pending()
+        reduced = fused_expert_output if output_is_reduced else moe_sum(
+            fused_expert_output, topk_weights=None if apply_router_weight_on_input else topk_weights)
+        combined, _, _ = self.buffer.combine(reduced, handle)
         output.copy_(combined)
 
 
-class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
+class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     """DeepEP low-latency dispatch/combine; BATCHED activation format [E_l, R*N, K].
+
+    Neither DeepEP's nor TorchAll2AllBuffer's low-latency calls read the device on the host, so a
+    layer pass can be captured in a CUDA graph (given max_tokens_across_ranks, see num_chunks).
 
     Arguments:
         buffer: a low-latency ``deep_ep.Buffer`` or ``TorchAll2AllBuffer(low_latency_mode=True)``
             sized for at least (max_tokens_per_rank, K, R, E).
         num_dispatchers: ranks in the group (R).
-        max_tokens_per_rank: N, tokens per rank per call (identical on every rank).
+        max_tokens_per_rank: N, tokens per rank per pass (identical on every rank); longer calls
+            run in chunks of N.
         use_fp8_dispatch: quantise inside the dispatch (DeepEP's cast); else send bf16 and
             quantise the received slices here.
     """
 
     activation_format = ActivationFormat.BATCHED
+    _needs = ("low_latency_dispatch", "low_latency_combine")
 
     def __init__(self, buffer, *, num_dispatchers: int, max_tokens_per_rank: int,
                  use_fp8_dispatch: bool = True) -> None:
-        check_positive_int("num_dispatchers", num_dispatchers)
+        super().__init__(buffer, num_dispatchers)
+        if not getattr(buffer, "low_latency_mode", False):
+            raise ValueError("buffer must be built with low_latency_mode=True for low-latency dispatch")
         check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
-        self.buffer = buffer
-        self._num_dispatchers = num_dispatchers
         self.max_tokens_per_rank_ = max_tokens_per_rank
         self.use_fp8_dispatch = use_fp8_dispatch
-        self._handle = None
-
-    def num_dispatchers(self) -> int:
-        return self._num_dispatchers
 
     def max_num_tokens_per_rank(self) -> int:
         return self.max_tokens_per_rank_
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:
-        """a1 bf16 [M, K] with M <= max_tokens_per_rank; topk_ids int64 [M, k] global ids.
+        """a1 bf16 [M, K] with M <= max_tokens_per_rank; topk_ids int32/int64 [M, k] global ids.
 
         Returns a1q fp8 [E_l, R*N, K], a1q_scale f32 [E_l, R*N, K/128] (MN-major per expert) and
         expert_num_tokens int32 [E_l]; rows past a count are undefined. expert_map is not used:
@@ -142,20 +188,18 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
         if a1.shape[0] > n:
             raise ValueError(f"{a1.shape[0]} tokens exceed max_tokens_per_rank={n}")
         a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input).contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()  # DeepEP takes int64 ids; combine needs them too
         recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
-            a1, topk_ids.contiguous(), n, num_experts, use_fp8=self.use_fp8_dispatch)
-        self._handle = handle
+            a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch)
+        self._pending = (handle, ids)
         a1q, a1s = recv_x if self.use_fp8_dispatch else quant_batched_fp8(recv_x)
         return PrepareResult(a1q=a1q, a1q_scale=a1s, expert_num_tokens=counts)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input) -> None:
+                 apply_router_weight_on_input, *, output_is_reduced: bool = False) -> None:
         """fused_expert_output bf16 [E_l, R*N, K] (valid rows only are read): combined with the
-        weights (ones when they went on the input) straight into output [M, K]."""
-        if self._handle is None:
-            raise ValueError("finalize called without a preceding prepare")
+        weights (ones when they went on the input) straight into output [M, K] (contiguous)."""
+        handle, ids = self._take_pending()
         weights = torch.ones_like(topk_weights, dtype=torch.float32) if apply_router_weight_on_input \
             else topk_weights.float().contiguous()
-        self.buffer.low_latency_combine(fused_expert_output, topk_ids.contiguous(), weights,
-                                        self._handle, out=output)
-        self._handle = None
+        self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle, out=output)
