@@ -428,21 +428,21 @@ def _unpermute_reduce_kernel(y_ptr, dest_ptr, w_ptr, out_ptr, M, K, stride_ym, w
     """
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    col_ok = cols < K
-    acc = tl.zeros([BLOCK_K], tl.float32)
     for j in tl.static_range(TOPK):
         row = tl.load(dest_ptr + m * TOPK + j).to(tl.int64)
-        read = row >= 0
+        # Columns to read: none for a slot without a row or with weight 0, else [0, K). (A
+        # column limit instead of `col_ok & scalar`: the interpreter mistypes that mask.)
+        limit = tl.where(row >= 0, K, 0)
         if WEIGHTED:
             w = tl.load(w_ptr + m * w_stride_m + j * w_stride_k)
-            read = read & (w != 0)
-        v = tl.load(y_ptr + row * stride_ym + cols, mask=col_ok & read, other=0.0).to(tl.float32)
+            limit = tl.where(w != 0, limit, 0)
+        v = tl.load(y_ptr + row * stride_ym + cols, mask=cols < limit, other=0.0).to(tl.float32)
         if WEIGHTED:
             v = tl.where(w != 0, v * w, 0.0)
         acc = v if j == 0 else acc + v
     if ROUND_BF16:  # interpreter only: its bfloat16 cast truncates
         acc = round_to_bf16_grid(acc)
-    tl.store(out_ptr + m * out_stride_m + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + m * out_stride_m + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < K)
 
 
 def unpermute_reduce_triton(y: torch.Tensor, dest: torch.Tensor,
