@@ -56,16 +56,16 @@ _ELEMENTS_PER_PROGRAM = 1024
 def _load_scores(logits_ptr, bias_ptr, rows, M, logits_stride_m, logits_stride_e, bias_stride,
                  NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr,
                  S_PAD: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """(score, choice, in_tile) [BLOCK_M, G_PAD, S_PAD]: float32 scores, biased scores (-inf for
-    NaN and padding), and the mask of real experts of real rows."""
+    """(score, choice, real) [BLOCK_M, G_PAD, S_PAD]: float32 scores, biased scores (-inf for
+    NaN and padding), and the mask of real experts. Rows past M repeat row M - 1 (never stored),
+    so that no padded row computes -inf - -inf."""
     group = tl.arange(0, G_PAD)[:, None]
     member = tl.arange(0, S_PAD)[None, :]
     expert = (group * GROUP_SIZE + member).to(tl.int64)                          # [G_PAD, S_PAD]
-    real = (group < NUM_GROUPS) & (member < GROUP_SIZE)
-    in_tile = (rows < M)[:, None, None] & real[None, :, :]
-    x = tl.load(logits_ptr + rows[:, None, None] * logits_stride_m
+    real = ((group < NUM_GROUPS) & (member < GROUP_SIZE))[None, :, :]
+    x = tl.load(logits_ptr + tl.minimum(rows, M - 1)[:, None, None] * logits_stride_m
                 + expert[None, :, :] * logits_stride_e,
-                mask=in_tile, other=float("-inf")).to(tl.float64)
+                mask=real, other=float("-inf")).to(tl.float64)
     # float64, rounded once to float32 (see the module docstring).
     if SOFTMAX:
         e = tl.exp(x - tl.max(tl.max(x, axis=2), axis=1)[:, None, None])
@@ -74,9 +74,9 @@ def _load_scores(logits_ptr, bias_ptr, rows, M, logits_stride_m, logits_stride_e
         score = (1.0 / (1.0 + tl.exp(-x))).to(tl.float32)
     choice = score
     if HAS_BIAS:
-        choice = score + tl.load(bias_ptr + expert * bias_stride, mask=real, other=0.0)[None, :, :]
-    choice = tl.where((choice != choice) | ~real[None, :, :], float("-inf"), choice)
-    return score, choice, in_tile
+        choice = score + tl.load(bias_ptr + expert[None, :, :] * bias_stride, mask=real, other=0.0)
+    choice = tl.where((choice != choice) | ~real, float("-inf"), choice)
+    return score, choice, real
 
 
 @triton.jit
@@ -108,11 +108,12 @@ def _grouped_topk_kernel(
     RENORMALIZE: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    score, choice, eligible = _load_scores(
+    score, choice, real = _load_scores(
         logits_ptr, bias_ptr, rows, M, logits_stride_m, logits_stride_e, bias_stride,
         NUM_GROUPS, GROUP_SIZE, G_PAD, S_PAD, SOFTMAX, HAS_BIAS)
     # A tile position's rank among equal values: padding comes after every real expert.
     pos = tl.arange(0, G_PAD)[:, None] * S_PAD + tl.arange(0, S_PAD)[None, :]
+    eligible = tl.broadcast_to(real, (BLOCK_M, G_PAD, S_PAD))
     if NUM_GROUPS > 1:
         kept = _kept_groups(choice, pos, BLOCK_M, G_PAD, S_PAD, TOPK_GROUP)
         eligible = eligible & kept[:, :, None]
@@ -203,7 +204,8 @@ def _rank(values: torch.Tensor, eligible: torch.Tensor | None = None) -> torch.T
 def _eligible_experts(choice: torch.Tensor, num_expert_group: int, topk_group: int) -> torch.Tensor:
     """bool [M, E]: experts of each token's topk_group best groups (group score: its 2 largest)."""
     M, E = choice.shape
-    grouped = torch.sort(choice.view(M, num_expert_group, -1), dim=2, descending=True).values
+    grouped = torch.sort(choice.view(M, num_expert_group, E // num_expert_group), dim=2,
+                         descending=True).values
     group_score = grouped[:, :, 0] + grouped[:, :, 1]
     kept_groups = _rank(group_score)[:, :topk_group]
     kept = torch.zeros(M, num_expert_group, dtype=torch.bool, device=choice.device)
