@@ -18,6 +18,8 @@ from vllm_moe_fixes import envs
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vllm_moe_fixes"
 README = (ROOT / "README.md").read_text()
+# The repository's own directories (a checkout may hold others, such as sources of dependencies).
+REPO_DIRS = ("vllm_moe_fixes", "tests", "benchmarks", ".ci")
 
 PUBLIC = {
     "vllm_moe_fixes.ops": ["per_token_group_quant_fp8", "moe_sum", "silu_and_mul",
@@ -104,6 +106,12 @@ def test_readme_paths_exist():
 
 
 # ---------------------------------------------------------------- Layout section
+def _repo_files() -> list[Path]:
+    """Files at the top of the checkout and under the repository's own directories."""
+    files = [p for p in ROOT.iterdir() if p.is_file()]
+    return files + [p for d in REPO_DIRS for p in (ROOT / d).rglob("*") if p.is_file()]
+
+
 def _package_modules() -> list[Path]:
     return sorted(p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")
                   if "__pycache__" not in p.parts)
@@ -122,7 +130,7 @@ def test_readme_layout_lists_every_module():
 
 def test_readme_layout_names_only_existing_files():
     """Every file name in the Layout section exists in the repository (no stale entries)."""
-    existing = {p.name for p in ROOT.rglob("*") if ".git" not in p.parts}
+    existing = {p.name for p in _repo_files()}
     named = set(re.findall(r"[\w-]+\.(?:py|json|log|toml|md)\b", _section("Layout")))
     assert not named - existing, f"README Layout names missing files: {sorted(named - existing)}"
 
@@ -139,7 +147,7 @@ def _tracked_text_files() -> list[Path]:
 def test_no_file_names_a_markdown_file_outside_the_repo():
     """Comments, docstrings and the README state facts in place or point to files in the repo:
     every `*.md` they name is a file of the repository."""
-    existing = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.md") if ".git" not in p.parts}
+    existing = {p.relative_to(ROOT).as_posix() for p in _repo_files() if p.suffix == ".md"}
     names = {p.rsplit("/", 1)[-1] for p in existing}
     bad = []
     for path in _tracked_text_files():
