@@ -82,3 +82,12 @@ def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
             buffer = deep_ep.Buffer(group=group, **kwargs)
         _BUFFERS[key] = buffer
     return buffer
+
+
+def clear_all2all_buffers() -> None:
+    """Forget the cached buffers, so that each is freed with its last reference.
+
+    A ``deep_ep.Buffer`` frees its memory in a collective (barriers across the group's ranks): call
+    this on every rank at the same point, while the group is alive, and drop your own references.
+    """
+    _BUFFERS.clear()
