@@ -23,7 +23,8 @@ REPO_DIRS = ("vllm_moe_fixes", "tests", "benchmarks", ".ci")
 
 PUBLIC = {
     "vllm_moe_fixes.ops": ["per_token_group_quant_fp8", "moe_sum", "silu_and_mul",
-                           "grouped_fp8_gemm_contiguous", "grouped_fp8_gemm_masked"],
+                           "silu_and_mul_quant_fp8", "grouped_fp8_gemm_contiguous",
+                           "grouped_fp8_gemm_masked", "empty_mn_major_scales"],
     "vllm_moe_fixes.fused_moe": ["FusedMoEModularKernel", "DeepGemmExperts", "TritonExperts",
                                  "BatchedTritonExperts", "BatchedDeepGemmExperts",
                                  "NoEPPrepareAndFinalize", "DeepEPHTPrepareAndFinalize",
