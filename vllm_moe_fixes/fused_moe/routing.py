@@ -1,4 +1,8 @@
-"""Softmax top-k routing, and a plain float32 reference of a whole MoE layer."""
+"""Softmax top-k routing, and a plain float32 reference of a whole MoE layer.
+
+DeepSeek-V3/R1 route differently (sigmoid scores, a correction bias, expert groups): that is
+`grouped_topk`, in grouped_topk.py.
+"""
 
 from __future__ import annotations
 
