@@ -14,6 +14,7 @@ import torch
 from vllm_moe_fixes._compat import deep_gemm as compat
 from vllm_moe_fixes.fused_moe import batched_experts as batched_mod
 from vllm_moe_fixes.fused_moe import contiguous_experts as experts_mod
+from vllm_moe_fixes.fused_moe import experts_selection as selection_mod
 from vllm_moe_fixes.fused_moe.batched_experts import (
     BatchedDeepGemmExperts,
     BatchedTritonExperts,
@@ -29,18 +30,29 @@ from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
     Experts,
     FusedMoEModularKernel,
+    PrepareAndFinalize,
+    PrepareResult,
 )
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
 from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_ref,
     grouped_fp8_gemm_contiguous_triton,
+    grouped_fp8_gemm_masked_ref,
 )
-from vllm_moe_fixes.ops.permute import permute_rows_triton
+from vllm_moe_fixes.ops.permute import (
+    build_contiguous_layout_triton,
+    carve_layout,
+    permute_rows_triton,
+    unpermute_reduce_triton,
+)
 from vllm_moe_fixes.ops.reference import calc_diff, rel_err
 from vllm_moe_fixes.sizes import (
+    LAYOUT_INDEX_COLUMNS,
     batched_workspace_shapes,
+    contiguous_num_rows,
     contiguous_workspace_shapes,
+    expected_rows_per_expert,
     layer_declared_bytes,
 )
 
@@ -102,6 +114,143 @@ def test_kernel_matches_reference(E, k, M, use_map):
         check_close(out, ref)
 
 
+def test_int32_and_int64_ids_give_the_same_output():
+    p = make_problem(17, 3, 8, 128, 256, local=[1, 2, 5], seed=4)
+    out64 = run(new_kernel(), p, 8)
+    out32 = run(new_kernel(), dict(p, topk_ids=p["topk_ids"].int()), 8)
+    assert torch.equal(out64, out32)
+    check_close(out64, reference(p))
+
+
+def test_minus_one_ids_contribute_nothing():
+    """topk_ids -1 (DeepEP's "no expert"): the slot adds nothing, whatever its weight; a token of
+    only -1 slots comes out exactly 0."""
+    p = make_problem(12, 4, 8, 128, 256, seed=8)
+    ids = p["topk_ids"]
+    ids[0] = -1
+    ids[1:, 2] = -1
+    out = run(new_kernel(), p, 8)
+    assert out[0].eq(0).all()
+    kept = dict(p, topk_ids=ids[1:, [0, 1, 3]].contiguous(),
+                topk_weights=p["topk_weights"][1:, [0, 1, 3]].contiguous(),
+                hidden_states=p["hidden_states"][1:])
+    assert torch.equal(out[1:], run(new_kernel(), kept, 8))  # same bits as dropping the slots
+    check_close(out, reference(p))
+
+
+@pytest.mark.parametrize("chunk,M", [(5, 23), (1, 4), (7, 7), (16, 3)])
+def test_chunked_call_matches_one_pass(chunk, M, monkeypatch):
+    """VLLM_FUSED_MOE_CHUNK_SIZE caps the tokens per pass; the output matches the reference and
+    one pass, and the workspaces are sized for one chunk."""
+    p = make_problem(M, 3, 8, 128, 256, local=[0, 3, 4, 6], seed=chunk * 10 + M)
+    one_pass = run(new_kernel(), p, 8)
+    monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", str(chunk))
+    pf = RecordingNoEP()
+    kernel = FusedMoEModularKernel(pf, TritonExperts())
+    out = run(kernel, p, 8)
+    want_chunks = [min(chunk, M - i) for i in range(0, M, chunk)]
+    assert pf.chunks == want_chunks
+    ws13, ws2, _ = TritonExperts().workspace_shapes(min(chunk, M), 128, 256, 3, 4)
+    assert kernel.workspaces.ws13.numel() == ws13[0] * ws13[1]
+    assert kernel.workspaces.ws2.numel() == ws2[0] * ws2[1]
+    check_close(out, reference(p))
+    assert calc_diff(out, one_pass) < 1e-6  # float32 matmuls of other row counts may round apart
+
+
+def test_expert_parallel_ranks_run_the_agreed_number_of_chunks(monkeypatch):
+    """With expert parallelism every rank makes the same number of passes: given the group's
+    largest M, a rank with fewer tokens runs empty chunks (M = 0 slices) after its own."""
+    monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", "3")
+    p = make_problem(7, 2, 8, 128, 256, seed=6)
+    pf = RecordingNoEP(num_dispatchers=2)
+    out = run(FusedMoEModularKernel(pf, TritonExperts()), p, 8, max_tokens_across_ranks=12)
+    assert pf.chunks == [3, 3, 1, 0]
+    check_close(out, reference(p))
+    pf.chunks = []
+    run(FusedMoEModularKernel(pf, TritonExperts()), p, 8)  # no maximum given: one pass
+    assert pf.chunks == [7]
+    empty = make_problem(0, 2, 8, 128, 256)
+    pf.chunks = []
+    assert run(FusedMoEModularKernel(pf, TritonExperts()), empty, 8).shape == (0, 256)
+    assert pf.chunks == [0]  # an empty rank still takes part in the collectives
+    alone = RecordingNoEP()
+    run(FusedMoEModularKernel(alone, TritonExperts()), empty, 8)
+    assert alone.chunks == []
+
+
+def test_default_num_chunks():
+    class OneRank(NoEPPrepareAndFinalize):
+        pass
+
+    class TwoRanks(NoEPPrepareAndFinalize):
+        def num_dispatchers(self):
+            return 2
+
+    assert OneRank().num_chunks(10, 4, None) == 3 and OneRank().num_chunks(0, 4, None) == 0
+    assert OneRank().num_chunks(10, 4, 17) == 5
+    assert TwoRanks().num_chunks(10, 4, None) == 1 and TwoRanks().num_chunks(3, 4, 9) == 3
+
+
+class LocalBatchedPrepareAndFinalize(PrepareAndFinalize):
+    """A one-rank batched prepare/finalize (what a low-latency dispatch at world size 1 does):
+    each local expert's tokens in a slice of capacity T = max_tokens * topk rows, the weighted
+    sum back per token. For tests of the batched experts through the kernel."""
+
+    activation_format = ActivationFormat.BATCHED
+
+    def __init__(self, max_tokens):
+        self.max_tokens = max_tokens
+
+    def max_num_tokens_per_rank(self):
+        return self.max_tokens
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input):
+        M, K = a1.shape
+        T = self.max_tokens * topk_ids.shape[1]
+        x = torch.zeros(num_experts, T, K, dtype=a1.dtype)
+        counts = torch.zeros(num_experts, dtype=torch.int32)
+        self.rows = {}
+        for m, j in zip(*torch.nonzero(topk_ids >= 0, as_tuple=True)):
+            e = int(topk_ids[m, j])
+            self.rows[(int(m), int(j))] = (e, int(counts[e]))
+            x[e, counts[e]] = a1[m]
+            counts[e] += 1
+        a1q, a1s = quant_batched_fp8(x)
+        return PrepareResult(a1q=a1q, a1q_scale=a1s, expert_num_tokens=counts)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input, *, output_is_reduced=False):
+        acc = torch.zeros(output.shape, dtype=torch.float32)
+        for (m, j), (e, r) in self.rows.items():
+            acc[m] += topk_weights[m, j] * fused_expert_output[e, r].float()
+        output.copy_(acc)
+
+
+def test_batched_experts_through_the_kernel_get_expected_m(monkeypatch):
+    """BatchedTritonExperts and (fake) BatchedDeepGemmExperts through a one-rank batched
+    prepare/finalize: outputs match the reference; DeepGEMM's masked GEMM gets the capacity
+    estimate max_tokens * ranks * topk / E bounded to [1, T], not T."""
+    E, k, M, cap = 8, 2, 5, 6
+    p = make_problem(M, k, E, 128, 256, seed=12)
+    out = run(FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(cap), BatchedTritonExperts()),
+              p, E)
+    check_close(out, reference(p))
+    seen = []
+    masked = lambda a, b, d, m, expected_m, **kw: (  # noqa: E731
+        seen.append(expected_m), grouped_fp8_gemm_masked_ref(a, b, d, m))
+    monkeypatch.setattr(compat, "_API", compat.resolve(types.SimpleNamespace(
+        m_grouped_fp8_gemm_nt_contiguous=lambda *a, **kw: None, m_grouped_fp8_gemm_nt_masked=masked)))
+    out_dg = run(FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(cap),
+                                       BatchedDeepGemmExperts()), p, E)
+    assert torch.equal(out_dg, out)
+    assert seen == [cap * k // E] * 2 == [1, 1]
+    assert expected_rows_per_expert(128, 1, 8, 32, 1024) == 32
+    assert expected_rows_per_expert(128, 4, 8, 8, 512) == 512  # bounded by T
+    assert expected_rows_per_expert(1, 1, 1, 256, 8) == 1
+    assert expected_rows_per_expert(None, 1, 8, 32, 77) == 77
+
+
 def test_apply_router_weight_on_input():
     p = make_problem(33, 1, 8, 128, 256, seed=7)
     out = run(new_kernel(), p, 8, apply_router_weight_on_input=True)
@@ -158,28 +307,46 @@ def test_sizes_module_is_torch_free_and_matches_the_experts():
     assert batched_workspace_shapes(5, 512, 256, 3) == ((3, 5, 1024), (3, 5, 512), (3, 5, 256))
     m_sum = (130 * 6 + 32 * 127 + 127) // 128 * 128
     assert layer_declared_bytes(130, 128, 256, 6, 32) == \
-        2 * (2 * m_sum * 256) + 130 * 256 * 2 + 130 * 256 + 130 * 2 * 4
+        2 * (m_sum * 256 + m_sum * (256 + 8)) + 130 * 256 * 2 + 130 * 256 + 130 * 2 * 4
 
 
 def test_declared_workspace_shapes():
     ws13, ws2, out = TritonExperts().workspace_shapes(130, 128, 256, 6, 32)
     m_sum = (130 * 6 + 32 * 127 + 127) // 128 * 128
-    assert ws13 == (m_sum, 256) and ws2 == (m_sum, 256) and out == (130, 6, 256)
-    assert TritonExperts().workspace_shapes(7, 512, 256, 2, 4)[:2] == ((640, 1024), (640, 512))
+    assert ws13 == (m_sum, 256) and ws2 == (m_sum, 256 + LAYOUT_INDEX_COLUMNS)
+    assert out == (130, 256)  # reduced
+    assert TritonExperts().workspace_shapes(7, 512, 256, 2, 4)[:2] == ((640, 1024), (640, 520))
+    # k = 1 with a wide K: the reduced output [M, K] needs more than 2N columns of ws13
+    ws13, _, out = TritonExperts().workspace_shapes(1000, 128, 7168, 1, 2)
+    assert ws13[0] * ws13[1] >= 1000 * 7168 and ws13[1] > 256
+    assert TritonExperts().reduces_output and not BatchedTritonExperts().reduces_output
 
 
 class RecordingNoEP(NoEPPrepareAndFinalize):
-    """Keeps a copy of the experts' unreduced output, before the weights are applied."""
+    """Records what finalize receives, and the size of every chunk prepare sees."""
+
+    def __init__(self, num_dispatchers=1):
+        self._num_dispatchers = num_dispatchers
+        self.chunks = []
+
+    def num_dispatchers(self):
+        return self._num_dispatchers
+
+    def prepare(self, a1, *args):
+        self.chunks.append(a1.shape[0])
+        return super().prepare(a1, *args)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input):
-        self.seen = fused_expert_output.clone()
+                 apply_router_weight_on_input, *, output_is_reduced=False):
+        self.seen = (fused_expert_output is output, output_is_reduced)
         super().finalize(output, fused_expert_output, topk_weights, topk_ids,
-                         apply_router_weight_on_input)
+                         apply_router_weight_on_input, output_is_reduced=output_is_reduced)
 
 
 @pytest.mark.parametrize("experts_cls", ["triton", "deep_gemm_fake"])
 def test_nonlocal_slots_exact_zero_with_poisoned_workspaces(experts_cls, monkeypatch):
+    """NaN-filled workspaces: tokens with no local expert come out exactly 0, the others match
+    the reference; a zero weight is not what hides the garbage."""
     if experts_cls == "deep_gemm_fake":
         _fake_deep_gemm(monkeypatch, skip_minus_one_rows=True)
     experts = TritonExperts() if experts_cls == "triton" else DeepGemmExperts()
@@ -187,16 +354,16 @@ def test_nonlocal_slots_exact_zero_with_poisoned_workspaces(experts_cls, monkeyp
     kernel = FusedMoEModularKernel(pf, experts)
     E, k, M = 16, 6, 40
     p = make_problem(M, k, E, 128, 256, local=[1, 4, 5, 9, 15], seed=11)
+    p["topk_ids"][:3] = torch.tensor([0, 2, 3, 6, 7, 8])  # tokens 0-2: no local expert
+    p["topk_ids"][3, 1:] = -1  # token 3: one slot, the others "no expert"
     ws13, ws2, _ = experts.workspace_shapes(M, 128, 256, k, 5)
     kernel.workspaces.get(ws13, ws2, torch.device("cpu"), torch.bfloat16)
     kernel.workspaces.ws13.fill_(float("nan"))
     kernel.workspaces.ws2.fill_(float("nan"))
-    p["topk_weights"][0, 0] = 0.0  # a zero weight must not be what hides garbage
+    p["topk_weights"][4, 0] = 0.0
     out = run(kernel, p, E)
-    nonlocal_slots = p["expert_map"][p["topk_ids"]] < 0
-    assert nonlocal_slots.any() and (~nonlocal_slots).any()
-    assert pf.seen[nonlocal_slots].eq(0).all()
-    assert torch.isfinite(pf.seen).all() and torch.isfinite(out).all()
+    assert pf.seen == (True, True)  # the experts wrote the layer's output, already reduced
+    assert out[:3].eq(0).all() and torch.isfinite(out).all()
     check_close(out, reference(p))
 
 
@@ -295,7 +462,8 @@ def test_bad_arguments():
     bad("w2", w2=w2[:4])
     bad("w1_scale", w1_scale=p["w1_scale"][:, :1])
     bad("w2_scale", w2_scale=p["w2_scale"].double())
-    bad("topk_ids", topk_ids=p["topk_ids"].int())
+    bad("topk_ids", topk_ids=p["topk_ids"].short())
+    bad("topk_ids", topk_ids=p["topk_ids"].float())
     bad("topk_ids", topk_ids=p["topk_ids"][:3])
     bad("topk_weights", topk_weights=p["topk_weights"].bfloat16())
     bad("topk_weights", topk_weights=p["topk_weights"][:, :1])
@@ -306,6 +474,15 @@ def test_bad_arguments():
     bad("apply_router_weight_on_input needs topk == 1", apply_router_weight_on_input=True)
     bad("must be a torch.Tensor", w1_scale=None)
     bad(r"w1_scale must be float32 \(8, 2, 2\)", w1_scale=torch.ones(8, 3, 2))  # exact shape
+    bad("max_tokens_across_ranks", max_tokens_across_ranks=3)
+    bad("max_tokens_across_ranks", max_tokens_across_ranks=4.0)
+    ids = p["topk_ids"].clone()
+    ids[2, 1] = 8
+    bad(r"topk_ids must hold expert ids in \[-1, 8\).*topk_ids\[2, 1\] = 8", topk_ids=ids)
+    ids[2, 1] = -2
+    bad(r"topk_ids\[2, 1\] = -2", topk_ids=ids.int())
+    emap = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8], dtype=torch.int32)
+    bad(r"expert_map must hold local ids in \[-1, 8\).*expert_map\[7\] = 8", expert_map=emap)
 
 
 @pytest.mark.parametrize("N,K", [(96, 256), (128, 200), (192, 128), (64, 64)])
@@ -429,8 +606,8 @@ def test_select_experts(monkeypatch, caplog):
     assert "DeepGEMM" in str(err.value)
     _fake_deep_gemm(monkeypatch)
     assert type(select_experts(128, 256)) is DeepGemmExperts
-    monkeypatch.setattr(experts_mod, "_warned_shapes", set())
-    with caplog.at_level(logging.WARNING, logger=experts_mod.__name__):
+    monkeypatch.setattr(selection_mod, "_warned_shapes", set())
+    with caplog.at_level(logging.WARNING, logger=selection_mod.__name__):
         assert type(select_experts(96, 256)) is TritonExperts
         assert type(select_experts(96, 256)) is TritonExperts
         assert type(select_experts(128, 200)) is TritonExperts
@@ -449,8 +626,8 @@ def test_select_batched_experts(monkeypatch, caplog):
     assert "DeepGEMM" in str(err.value)
     _fake_deep_gemm(monkeypatch)
     assert type(select_batched_experts(128, 256)) is BatchedDeepGemmExperts
-    monkeypatch.setattr(batched_mod, "_warned_shapes", set())
-    with caplog.at_level(logging.WARNING, logger=batched_mod.__name__):
+    monkeypatch.setattr(selection_mod, "_warned_shapes", set())
+    with caplog.at_level(logging.WARNING, logger=selection_mod.__name__):
         assert type(select_batched_experts(96, 256)) is BatchedTritonExperts
         assert type(select_batched_experts(96, 256)) is BatchedTritonExperts
         assert type(select_batched_experts(128, 200)) is BatchedTritonExperts
@@ -459,17 +636,29 @@ def test_select_batched_experts(monkeypatch, caplog):
     assert all("no backend" in r.getMessage() for r in warnings)
     from vllm_moe_fixes import fused_moe
     assert fused_moe.select_batched_experts is select_batched_experts
+    for bad_args in [("a", "b"), (0, 128), (128, True)]:
+        for select in (select_experts, select_batched_experts):
+            with pytest.raises(ValueError, match="intermediate_size|hidden_size"):
+                select(*bad_args)
 
 
-def test_triton_gemm_path_under_interpreter(monkeypatch, kernel_device):
-    """TritonExperts with the Triton grouped-GEMM and permute launchers (interpreted on CPU) on a
-    tiny layer."""
-    p = make_problem(3, 2, 2, 128, 128, device=kernel_device, seed=9)
-    want = run(new_kernel(), p, 2)
+def _triton_layout(topk_ids, local_num_experts, expert_map, *, out):
+    layout, counts = carve_layout(out, topk_ids.numel(), local_num_experts)
+    build_contiguous_layout_triton(topk_ids, local_num_experts, expert_map, layout, counts)
+    return layout
+
+
+def test_triton_path_under_interpreter(monkeypatch, kernel_device):
+    """TritonExperts with every Triton launcher of the contiguous path (layout, permute, grouped
+    GEMM, un-permute + reduce; interpreted on CPU) on a tiny layer with non-local experts."""
+    p = make_problem(5, 2, 4, 128, 128, local=[0, 2, 3], device=kernel_device, seed=9)
+    want = run(new_kernel(), p, 4)
     monkeypatch.setattr(experts_mod, "grouped_fp8_gemm_contiguous",
                         lambda a, w, out, m: grouped_fp8_gemm_contiguous_triton(a, w, out, m))
     monkeypatch.setattr(experts_mod, "permute_rows", permute_rows_triton)
-    got = run(new_kernel(), p, 2)
+    monkeypatch.setattr(experts_mod, "build_contiguous_layout", _triton_layout)
+    monkeypatch.setattr(experts_mod, "unpermute_reduce", unpermute_reduce_triton)
+    got = run(new_kernel(), p, 4)
     assert calc_diff(got, want) < 1e-3  # bf16 ties flip a few FP8 requantisations
     check_close(got, reference(p))
 
@@ -539,8 +728,7 @@ def test_gpu_cuda_graph_replay_matches_eager(M, use_map):
     """Engines run decode under CUDA graphs: the whole layer (layout, permute, GEMMs, SiLU,
     requantisation, un-permute, finalize) must capture without host syncs, reuse the kernel's
     workspaces, and replay on NEW data copied into the captured inputs (new tokens and routing).
-    M = 128 sorts M*k = 1024 slots in one block, M = 2048 (16384 slots) takes torch's multi-pass
-    radix sort: both sort paths are captured."""
+    M = 128 builds the layout in one chunk of slots, M = 2048 (16384 slots) in 128 chunks."""
     E, k, N, K = 16, 8, 512, 1024
     local = list(range(1, E, 2)) if use_map else None
     p = make_problem(M, k, E, N, K, local=local, device="cuda", seed=M)
