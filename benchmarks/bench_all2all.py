@@ -1,140 +1,184 @@
-"""All-to-all of the naive backend (TorchAll2AllBuffer on NCCL) at DeepEP's test shapes.
+"""Low-latency all-to-all: the naive backend (TorchAll2AllBuffer) against DeepEP's, in one run.
 
-    python benchmarks/bench_all2all.py --world-size 2        # one process per GPU, spawned here
-    python benchmarks/bench_all2all.py --world-size 2 --smoke  # tiny shapes on gloo/CPU (a check)
+    python -m benchmarks.bench_all2all                   # world size 1 (one GPU)
+    python -m benchmarks.bench_all2all --world-size 2    # one process per GPU, spawned here
+    python -m benchmarks.bench_all2all --smoke           # tiny shapes on gloo/CPU (checks the script)
 
-High-throughput: 4096 tokens per rank, H=7168, top-8 of --ht-experts (256) experts: FP8 dispatch
-(with a fresh layout), BF16 dispatch, and combine. Low-latency: 128 tokens per rank, H=7168,
-top-8 of 32 experts: FP8 low_latency_dispatch and low_latency_combine. Bytes are counted as
-DeepEP's own tests count them (HT: received rows, FP8 rows as (H + 4H/128) bytes, BF16 as 2H; LL:
-one message per (token, expert) selection, FP8 as H + 4H/128 + 16 bytes, combine as 2H). Time is
-the median over iterations of the slowest rank (all ranks start together after a barrier).
-Results go to benchmarks/results/all2all_ws<N>.json (all2all_ws<N>_e<E>.json for other
---ht-experts), beside DeepEP v1.2.1's figures where known.
+Per rank: T tokens (1, 32, 128) of hidden 7168, top-8 of 32 experts, both buffers sized for
+N = 128 tokens per rank. For each backend (naive; DeepEP low-latency when deep_ep imports, built by
+make_all2all_buffer) it times the FP8 ``low_latency_dispatch`` alone and ``low_latency_dispatch``
++ ``low_latency_combine``:
+  * eager: a launch loop (perf_counter around ``--calls`` calls, one synchronisation at the end),
+    best of three loops;
+  * graph: one CUDA graph of ``--calls`` calls, replayed ``--reps`` times (host time drops out).
+Every measurement starts on all ranks together after a barrier and reports the slowest rank.
+Results: benchmarks/results/all2all_ws<R>.json, with naive / DeepEP ratios of dispatch + combine.
 """
 
 import argparse
-import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from benchmarks._common import print_table, write_json
+from vllm_moe_fixes.distributed.launch import run_distributed
 
-from benchmarks._common import print_table, write_json  # noqa: E402
-from vllm_moe_fixes.distributed.launch import run_distributed  # noqa: E402
-
-# DeepEP v1.2.1 on 2 x H200 (contracts/deep_ep.md): (time us, GB/s) per operation.
-DEEPEP_EP2 = {"ht_dispatch_fp8": (256, 236), "ht_dispatch_bf16": (352, 332), "ht_combine": (396, 295),
-              "ll_dispatch_fp8": (37, None), "ll_combine": (43, None)}
+TOKENS = (1, 32, 128)
+SMOKE_TOKENS = (1, 8)
 
 
-def _time_us(fn, iters, device) -> float:
-    """Median wall time of fn() in us, slowest rank, ranks aligned by a barrier before each call."""
-    times = []
-    for i in range(iters + 3):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 3:  # warm-up calls are not counted
-            times.append((time.perf_counter() - t0) * 1e6)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+def _slowest_us(seconds: float, calls: int, device) -> float:
+    """Per-call microseconds of the slowest rank."""
+    t = torch.tensor([seconds / calls * 1e6], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
-def _routing(tokens, experts, k, device, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    scores = torch.rand(tokens, experts, generator=g)
-    return scores.topk(k, dim=1).indices.to(device), torch.rand(tokens, k, generator=g).to(device)
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def eager_us(fn, calls: int, device) -> float:
+    """Launch loop: wall time of `calls` back-to-back calls, one sync at the end; best of 3."""
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return _slowest_us(best, calls, device)
+
+
+def graph_us(fn, calls: int, reps: int, device) -> float:
+    """One CUDA graph of `calls` calls (captured after a warm-up on a side stream), replayed
+    `reps` times: time per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    _sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    _sync(device)
+    us = _slowest_us(time.perf_counter() - t0, reps * calls, device)
+    del graph
+    return us
+
+
+def _problem(tokens, args, rank, device):
+    """x bf16 [T, H], topk ids int64 [T, k] (distinct, from random scores), weights f32 [T, k]."""
+    g = torch.Generator().manual_seed(1000 * rank + tokens)
+    scores = torch.rand(tokens, args.experts, generator=g)
+    ids = scores.topk(args.topk, dim=1).indices
+    w = torch.rand(tokens, args.topk, generator=g)
+    x = torch.randn(tokens, args.hidden, generator=g).to(torch.bfloat16)
+    return x.to(device), ids.to(device), w.to(device)
+
+
+def _buffers(args, world):
+    """{name: low-latency buffer} for the backends this machine has."""
+    from vllm_moe_fixes._compat import deep_ep as deep_ep_compat
+    from vllm_moe_fixes.distributed.buffers import make_all2all_buffer
+
+    sizes = dict(max_tokens_per_rank=args.max_tokens, hidden=args.hidden, num_experts=args.experts)
+    buffers = {"naive": make_all2all_buffer("naive", None, **sizes)}
+    if not args.smoke and deep_ep_compat.is_available():
+        buffers["deepep"] = make_all2all_buffer("deepep_low_latency", None, **sizes)
+    return buffers
+
+
+def _measure(buffer, tokens, args, rank, world, device) -> dict:
+    n, e = args.max_tokens, args.experts
+    x, ids, w = _problem(tokens, args, rank, device)
+    y = torch.randn(e // world, world * n, args.hidden, device=device).to(torch.bfloat16)
+
+    def dispatch():
+        return buffer.low_latency_dispatch(x, ids, n, e, use_fp8=True)
+
+    def dispatch_combine():
+        buffer.low_latency_combine(y, ids, w, dispatch()[2])
+
+    row = {"eager dispatch us": eager_us(dispatch, args.calls, device),
+           "eager d+c us": eager_us(dispatch_combine, args.calls, device)}
+    if device.type == "cuda":
+        row["graph dispatch us"] = graph_us(dispatch, args.calls, args.reps, device)
+        row["graph d+c us"] = graph_us(dispatch_combine, args.calls, args.reps, device)
+    return row
 
 
 def _bench(rank, world, args):
-    """One rank (in launch.run_distributed's group: NCCL, or gloo with --smoke): the timings,
-    identical on every rank (each is the slowest rank's)."""
-    from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
-    from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
-
+    """One rank (in launch.run_distributed's group): the rows, identical on every rank."""
     device = torch.device("cpu") if args.smoke else torch.device("cuda", rank)
-    h, k = args.hidden, 8
-    ht_tokens, ll_tokens, ll_experts = (4096, 128, 32) if not args.smoke else (64, 8, 8 * world)
-    results = {}
-
-    # High-throughput.
-    buf = TorchAll2AllBuffer(None)
-    ids, w = _routing(ht_tokens, args.ht_experts, k, device, rank)
-    x = torch.randn(ht_tokens, h, device=device).to(torch.bfloat16)
-    xq = per_token_group_quant_fp8(x, 128)
-    layout = buf.get_dispatch_layout(ids, args.ht_experts)[:4]
-    kw = dict(num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
-              num_tokens_per_expert=layout[2], is_token_in_rank=layout[3], topk_idx=ids, topk_weights=w)
-    recv, _, _, _, handle, _ = buf.dispatch(x, **kw)
-    recv_rows = torch.tensor([recv.shape[0]], device=device)
-    dist.all_reduce(recv_rows)
-    rows = int(recv_rows) / world  # mean received rows per rank
-    for name, fn, row_bytes in (
-            ("ht_dispatch_fp8", lambda: buf.dispatch(xq, **kw), h + h // 128 * 4),
-            ("ht_dispatch_bf16", lambda: buf.dispatch(x, **kw), 2 * h),
-            ("ht_combine", lambda: buf.combine(recv, handle), 2 * h)):
-        us = _time_us(fn, args.iters, device)
-        results[name] = {"us": us, "GBps": rows * row_bytes / (us * 1e-6) / 1e9}
-
-    # Low-latency.
-    ll = TorchAll2AllBuffer(None, low_latency_mode=True, num_max_dispatch_tokens_per_rank=ll_tokens,
-                            hidden=h, num_experts=ll_experts)
-    ids, w = _routing(ll_tokens, ll_experts, k, device, 100 + rank)
-    x = torch.randn(ll_tokens, h, device=device).to(torch.bfloat16)
-    recv, _, handle, _, _ = ll.low_latency_dispatch(x, ids, ll_tokens, ll_experts)
-    y = torch.randn(recv[0].shape, device=device).to(torch.bfloat16)
-    selections = ll_tokens * k
-    for name, fn, msg_bytes in (
-            ("ll_dispatch_fp8", lambda: ll.low_latency_dispatch(x, ids, ll_tokens, ll_experts), h + h // 128 * 4 + 16),
-            ("ll_combine", lambda: ll.low_latency_combine(y, ids, w, handle), 2 * h)):
-        us = _time_us(fn, args.iters, device)
-        results[name] = {"us": us, "GBps": selections * msg_bytes / (us * 1e-6) / 1e9}
-    return results if rank == 0 else None
-
-
-def _report(results, world, args, path):
-    """Print the table and (not --smoke) write the JSON."""
     rows = []
-    for name, r in results.items():
-        ref = DEEPEP_EP2.get(name) if world == 2 and not args.smoke else None
-        rows.append({"op": name, "us": r["us"], "GB/s": r["GBps"],
-                     "DeepEP EP2 us": ref[0] if ref else "", "DeepEP EP2 GB/s": (ref[1] or "") if ref else ""})
-    print(f"naive all-to-all (TorchAll2AllBuffer), world size {world}, H={args.hidden}, top-8, "
-          f"HT experts {args.ht_experts}")
-    print_table(rows, ["op", "us", "GB/s", "DeepEP EP2 us", "DeepEP EP2 GB/s"])
-    if not args.smoke:
-        write_json(path, {"world_size": world, "hidden": args.hidden, "ht_experts": args.ht_experts,
-                          "results": results, "deepep_v1_2_1_ep2": DEEPEP_EP2,
-                          "deepep_published_h800": {"ht_ep8_dispatch_GBps": 153, "ht_ep8_combine_GBps": 158,
-                                                    "ll_ep8_dispatch_us": 77, "ll_ep8_combine_us": 114}})
+    for name, buffer in _buffers(args, world).items():
+        for tokens in args.tokens:
+            rows.append({"backend": name, "tokens": tokens,
+                         **_measure(buffer, tokens, args, rank, world, device)})
+    return rows if rank == 0 else None
+
+
+def _ratios(rows) -> list[dict]:
+    """naive / DeepEP of dispatch + combine per token count and timing mode."""
+    by = {(r["backend"], r["tokens"]): r for r in rows}
+    out = []
+    for (backend, tokens), naive in by.items():
+        deepep = by.get(("deepep", tokens))
+        if backend != "naive" or deepep is None:
+            continue
+        out.append({"tokens": tokens, **{f"{mode} d+c naive/DeepEP": naive[f"{mode} d+c us"] / deepep[f"{mode} d+c us"]
+                                         for mode in ("eager", "graph") if f"{mode} d+c us" in naive}})
+    return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--ht-experts", type=int, default=256)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on gloo/CPU (checks the script)")
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128, help="N, tokens per rank the buffers take")
+    p.add_argument("--calls", type=int, default=20, help="calls per timed loop / per graph")
+    p.add_argument("--reps", type=int, default=20, help="graph replays")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on gloo/CPU, naive only, eager only")
     args = p.parse_args()
+    if args.world_size < 1:
+        p.error(f"--world-size {args.world_size} must be >= 1")
+    args.tokens = TOKENS
     if args.smoke:
-        args.hidden, args.ht_experts, args.iters = 2048, 8 * args.world_size, 2
+        args.hidden, args.experts, args.max_tokens, args.calls = 2048, 8 * args.world_size, 8, 2
+        args.tokens = SMOKE_TOKENS
     elif torch.cuda.device_count() < args.world_size:
         p.error(f"--world-size {args.world_size} needs that many GPUs; {torch.cuda.device_count()} visible")
-    name = f"all2all_ws{args.world_size}" + ("" if args.ht_experts == 256 else f"_e{args.ht_experts}")
-    # One process per GPU (NCCL, spawned; NCCL_NVLS_ENABLE=0 in each) or gloo ranks with --smoke.
-    results = run_distributed(_bench, args.world_size, args, backend="gloo" if args.smoke else "nccl")
-    _report(results[0], args.world_size, args, name)
+    rows = run_distributed(_bench, args.world_size, args, backend="gloo" if args.smoke else "nccl")[0]
+
+    print(f"low-latency all-to-all, world size {args.world_size}, hidden {args.hidden}, "
+          f"top-{args.topk} of {args.experts} experts, N={args.max_tokens} (us per call, slowest rank)")
+    print_table(rows, list(rows[0]))
+    ratios = _ratios(rows)
+    if ratios:
+        print("naive / DeepEP, dispatch + combine (target: <= 3)")
+        print_table(ratios, list(ratios[0]))
+    if not args.smoke:
+        write_json(f"all2all_ws{args.world_size}", {
+            "world_size": args.world_size, "hidden": args.hidden, "experts": args.experts,
+            "topk": args.topk, "max_tokens_per_rank": args.max_tokens, "calls": args.calls,
+            "reps": args.reps, "rows": rows, "naive_over_deepep": ratios})
 
 
 if __name__ == "__main__":
