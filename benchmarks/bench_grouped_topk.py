@@ -33,7 +33,11 @@ from benchmarks._common import (
     rotating,
     write_json,
 )
-from vllm_moe_fixes.fused_moe.grouped_topk import grouped_topk, grouped_topk_ref, grouped_topk_triton
+from vllm_moe_fixes.fused_moe.grouped_topk import (
+    grouped_topk,
+    grouped_topk_ref,
+    grouped_topk_triton,
+)
 
 MS = (1, 16, 128, 1024, 8192, 65536)
 E, GROUPS, TOPK_GROUP, TOPK, SCALE = 256, 8, 4, 8, 2.5

@@ -10,7 +10,11 @@ import torch
 
 from vllm_moe_fixes.config import PRESETS, MoEModelConfig
 from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
-from vllm_moe_fixes.fused_moe.grouped_topk import grouped_topk, grouped_topk_ref, grouped_topk_triton
+from vllm_moe_fixes.fused_moe.grouped_topk import (
+    grouped_topk,
+    grouped_topk_ref,
+    grouped_topk_triton,
+)
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import moe_reference, quant_block_fp8

@@ -7,7 +7,8 @@ For every token (row of the router logits, E experts in G equal groups of S = E/
     group  = sum of the 2 largest choice values of each group               [G]
     keep   = the topk_group best groups; the experts of the other groups are not eligible
     ids    = the k eligible experts of largest choice
-    weight = score[ids] (unbiased), / sum(score[ids]) + 1e-20 when renormalize, * routed_scaling_factor
+    weight = score[ids] (unbiased), divided by sum(score[ids]) + 1e-20 when renormalize,
+             then multiplied by routed_scaling_factor
 
 Deterministic order and ties: groups and experts are ranked by value, largest first, and equal
 values by index, lowest first. The k slots of a token come out in that order. A NaN choice value
@@ -42,7 +43,7 @@ __all__ = ["grouped_topk", "grouped_topk_ref", "grouped_topk_triton"]
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 MAX_EXPERTS = 512  # a token's scores live in registers
-# DeepSeek-V3's model code adds this to the renormalising sum (a row of zero scores gives 0, not NaN).
+# DeepSeek-V3's model code adds this to the renormalising sum (zero scores give 0, not NaN).
 RENORM_EPS = 1e-20
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Launch config: about 1024 scores per program, 4 warps.
@@ -84,8 +85,10 @@ def _kept_groups(choice, pos, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr, S_PAD:
                  TOPK_GROUP: tl.constexpr):
     """int1 [BLOCK_M, G_PAD]: each row's TOPK_GROUP best groups (group score: its 2 largest)."""
     first = tl.max(choice, axis=2)
-    first_pos = tl.min(tl.where(choice == first[:, :, None], pos[None, :, :], G_PAD * S_PAD), axis=2)
-    second = tl.max(tl.where(pos[None, :, :] == first_pos[:, :, None], float("-inf"), choice), axis=2)
+    first_pos = tl.min(tl.where(choice == first[:, :, None], pos[None, :, :], G_PAD * S_PAD),
+                       axis=2)
+    second = tl.max(tl.where(pos[None, :, :] == first_pos[:, :, None], float("-inf"), choice),
+                    axis=2)
     group_score = first + second
     group = tl.arange(0, G_PAD)[None, :]
     kept = tl.zeros((BLOCK_M, G_PAD), dtype=tl.int1)
@@ -264,8 +267,9 @@ def _check_args(gating_output, topk, renormalize, num_expert_group, topk_group, 
     eligible = topk_group * (E // num_expert_group)
     check(topk <= eligible, f"topk={topk} exceeds the {eligible} experts of the "
                             f"topk_group={topk_group} kept groups ({E // num_expert_group} each)")
-    check(isinstance(routed_scaling_factor, (int, float)) and not isinstance(routed_scaling_factor, bool)
-          and math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0,
+    scale = routed_scaling_factor
+    check(isinstance(scale, (int, float)) and not isinstance(scale, bool)
+          and math.isfinite(scale) and scale > 0,
           f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}")
     bias = e_score_correction_bias
     check(bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == torch.float32
