@@ -1,36 +1,44 @@
-"""Benchmark per_token_group_quant_fp8 (group 128, bf16 input) on the GPU.
+"""Benchmark per_token_group_quant_fp8 (group 128, bf16 input) and the fused
+silu_and_mul_quant_fp8 on the GPU.
 
-Run from the repo root:  python benchmarks/bench_quant.py [--sweep]
+Run from the repo root:  python -m benchmarks.bench_quant [--only quant|fused] [--sweep]
 
-For each M in 256, 4096, 16384, 65536 (K = 7168) it times, in the same run:
+Quant: for each M in 256, 4096, 16384, 65536 (K = 7168) it times, in the same run:
   us / GB/s            the public op, eager (do_bench; includes host time when the host is slower
                        than the kernel, which is the case at small M)
   graph_us / graph_GB/s  the public op under CUDA-graph replay (16 calls per graph, per call):
                        the kernel plus launch gaps, no host time; how engines run decode
   tma_us, tma_graph_us the same with the TMA-aligned column-major scales DeepGEMM wants
   launcher_us          the Triton launcher alone, eager (no validation or allocation)
-  host_us, launcher_host_us  host time per call of the public op / the launcher (back-to-back
-                       calls, GPU left behind): Python + Triton's launch path
+  host_us, launcher_host_us  host time per call of the public op / the launcher (launch loop:
+                       back-to-back calls, GPU left behind): Python + Triton's launch path
   torch_ref_us         the torch eager reference on the GPU
   copy_us              (graph replay) a device-to-device copy moving the same number of bytes
                        (half read, half written: the bandwidth ceiling)
 Bytes = input (M*K*2) + FP8 output (M*K) + scales (M*K/128*4). Writes
-benchmarks/results/bench_quant.json. --sweep also times a grid of launch configs of the launcher
-(block_m x groups_per_prog x num_warps, plus the float32 grid rounding on the default config),
-prints them and writes benchmarks/results/bench_quant_sweep.json.
+benchmarks/results/bench_quant.json.
+
+Fused (SiLU-and-mul + requant between the expert GEMMs, 2N = 4096 as DeepSeek's I = 2048): the
+contiguous layout at M_sum = 1024, 8192 + 8*128 and 65536 + 8*128 rows (M = 128, 1024, 8192
+tokens, top-8, 8 experts, 128-row padding), and the batched layout [32, 128, 4096] with the
+valid rows of 1, 32 and 128 tokens spread by top-8 routing. For each it times the fused op and
+the two unfused ops (silu_and_mul, then per_token_group_quant_fp8 into MN-major scales; batched:
+over the whole slices plus a copy of the scales, the way the unfused experts run them), eager
+(do_bench), under graph replay, and their host time (launch loop). Bytes = x (rows*2N*2) +
+q (rows*N) + scales (rows*N/128*4) over the valid rows. Writes benchmarks/results/bench_silu_mul_quant.json.
+
+--sweep also times a grid of launch configs of each launcher (block_m x groups_per_prog x
+num_warps; for the quant also the float32 grid rounding), prints the best and writes
+benchmarks/results/bench_quant_sweep.json and bench_silu_mul_quant_sweep.json.
 """
 
 import argparse
 import functools
 import itertools
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks._common import (  # noqa: E402
+from benchmarks._common import (
     bench_us,
     copy_us,
     gbps,
@@ -41,14 +49,23 @@ from benchmarks._common import (  # noqa: E402
     rotating,
     write_json,
 )
-from vllm_moe_fixes.ops.fp8_quant import (  # noqa: E402
+from vllm_moe_fixes.ops.activation import silu_and_mul
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, empty_mn_major_scales
+from vllm_moe_fixes.ops.fp8_quant import (
     QUANT_BLOCK_M,
     QUANT_GROUPS_PER_PROG,
     QUANT_NUM_WARPS,
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_triton,
 )
-from vllm_moe_fixes.ops.reference import per_token_group_quant_fp8_ref  # noqa: E402
+from vllm_moe_fixes.ops.reference import per_token_group_quant_fp8_ref
+from vllm_moe_fixes.ops.silu_mul_quant import (
+    FUSED_BLOCK_M,
+    FUSED_GROUPS_PER_PROG,
+    FUSED_NUM_WARPS,
+    silu_and_mul_quant_fp8,
+    silu_and_mul_quant_fp8_triton,
+)
 
 K, GROUP = 7168, 128
 MS = (256, 4096, 16384, 65536)
@@ -82,10 +99,8 @@ def _launcher(x, q, s):
     per_token_group_quant_fp8_triton(x, q, s, GROUP, 1e-10, False)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
-    args = parser.parse_args()
+def _quant(sweep_configs):
+    """The quant table (and sweep rows when sweep_configs)."""
     rows, sweep = [], []
     for M in MS:
         sets = _inputs(M)
@@ -108,14 +123,136 @@ def main():
             "torch_ref_us": t_ref, "x_vs_torch": t_ref / g_row,
             "copy_us": t_copy, "copy_GB/s": gbps(nbytes, t_copy), "frac_of_copy": t_copy / g_row,
         })
-        if args.sweep:
+        if sweep_configs:
             sweep += _sweep(M, sets, nbytes)
         del sets
         torch.cuda.empty_cache()
     print_table(rows, list(rows[0]))
     write_json("bench_quant", {"group_size": GROUP, "dtype": "bfloat16", "rows": rows})
-    if args.sweep:
+    if sweep_configs:
         _report_sweep(sweep)
+
+
+# ---------------------------------------------------------------- fused SiLU-and-mul + quant
+
+TWO_N = 4096  # 2 * I, DeepSeek-V3's I = 2048
+CONTIGUOUS_ROWS = {128: 8 * 128, 1024: 8192 + 8 * 128, 8192: 65536 + 8 * 128}  # tokens: M_sum
+BATCHED_E, BATCHED_T, TOPK = 32, 128, 8
+
+
+def _fused_bytes(rows):
+    n = TWO_N // 2
+    return rows * TWO_N * 2 + rows * n + rows * (n // GROUP) * 4
+
+
+def _contiguous_inputs(rows):
+    def make(_):
+        x = torch.randn((rows, TWO_N), dtype=torch.bfloat16, device="cuda")
+        q = torch.empty((rows, TWO_N // 2), dtype=FP8_DTYPE, device="cuda")
+        s = empty_mn_major_scales((rows, TWO_N // 2 // GROUP), "cuda")
+        g = torch.empty((rows, TWO_N // 2), dtype=torch.bfloat16, device="cuda")
+        return x, q, s, g, None
+    return rotating(make, _fused_bytes(rows))
+
+
+def _batched_counts(tokens, seed):
+    """Valid rows per expert when `tokens` tokens each pick TOPK of BATCHED_E experts."""
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.rand((tokens, BATCHED_E), generator=gen).topk(TOPK, dim=1).indices
+    return torch.bincount(picks.flatten(), minlength=BATCHED_E).to(torch.int32)
+
+
+def _batched_inputs(tokens):
+    shape = (BATCHED_E, BATCHED_T)
+
+    def make(i):
+        x = torch.randn((*shape, TWO_N), dtype=torch.bfloat16, device="cuda")
+        q = torch.empty((*shape, TWO_N // 2), dtype=FP8_DTYPE, device="cuda")
+        s = empty_mn_major_scales((*shape, TWO_N // 2 // GROUP), "cuda")
+        g = torch.empty((*shape, TWO_N // 2), dtype=torch.bfloat16, device="cuda")
+        return x, q, s, g, _batched_counts(tokens, i).cuda()
+    return rotating(make, _fused_bytes(BATCHED_E * BATCHED_T))
+
+
+def _fused(x, q, s, g, counts):
+    silu_and_mul_quant_fp8(x, out_q=q, out_s=s, expert_num_tokens=counts)
+
+
+def _unfused(x, q, s, g, counts):
+    """silu_and_mul then the quant, as the unfused experts run them (batched: over the whole
+    [E * T] rows, row-major scales copied into the per-expert MN-major view)."""
+    n = x.shape[-1] // 2
+    silu_and_mul(x.view(-1, 2 * n), out=g.view(-1, n))
+    if x.dim() == 2:
+        per_token_group_quant_fp8(g, GROUP, column_major_scales=True, tma_aligned_scales=True,
+                                  out_q=q, out_s=s)
+    else:
+        _, flat_s = per_token_group_quant_fp8(g.view(-1, n), GROUP, out_q=q.view(-1, n))
+        s.copy_(flat_s.view(s.shape))
+
+
+def _fused_row(layout, tokens, rows, valid_rows, sets):
+    nbytes = _fused_bytes(valid_rows)
+    t_fused, t_unfused = bench_us(_fused, sets), bench_us(_unfused, sets)
+    g_fused, g_unfused = graph_us(_fused, sets), graph_us(_unfused, sets)
+    return {
+        "layout": layout, "tokens": tokens, "rows": rows, "valid_rows": valid_rows,
+        "2N": TWO_N, "fused_us": t_fused, "unfused_us": t_unfused,
+        "fused_graph_us": g_fused, "unfused_graph_us": g_unfused,
+        "fused_graph_GB/s": gbps(nbytes, g_fused), "speedup_graph": g_unfused / g_fused,
+        "fused_host_us": host_us(_fused, sets), "unfused_host_us": host_us(_unfused, sets),
+    }
+
+
+def _fused_table(sweep_configs):
+    rows, sweep = [], []
+    for tokens, m_sum in CONTIGUOUS_ROWS.items():
+        sets = _contiguous_inputs(m_sum)
+        rows.append(_fused_row("contiguous", tokens, m_sum, m_sum, sets))
+        if sweep_configs:
+            sweep += _fused_sweep(f"contiguous/{tokens}", sets, _fused_bytes(m_sum))
+        del sets
+        torch.cuda.empty_cache()
+    for tokens in (1, 32, 128):
+        sets = _batched_inputs(tokens)
+        valid = int(sets[0][4].sum())
+        rows.append(_fused_row("batched", tokens, BATCHED_E * BATCHED_T, valid, sets))
+        if sweep_configs:
+            sweep += _fused_sweep(f"batched/{tokens}", sets, _fused_bytes(valid))
+        del sets
+        torch.cuda.empty_cache()
+    print_table(rows, list(rows[0]))
+    write_json("bench_silu_mul_quant", {"group_size": GROUP, "dtype": "bfloat16",
+                                        "config": {"block_m": FUSED_BLOCK_M,
+                                                   "groups_per_prog": FUSED_GROUPS_PER_PROG,
+                                                   "num_warps": FUSED_NUM_WARPS},
+                                        "rows": rows})
+    if sweep_configs:
+        print_best(sweep, "\nFused sweep, best 8 per case:", key="case")
+        write_json("bench_silu_mul_quant_sweep", {"rows": sweep})
+
+
+def _fused_sweep(case, sets, nbytes):
+    out = []
+    for bm, gp, w in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (2, 4, 8)):
+        def launch(x, q, s, g, counts, bm=bm, gp=gp, w=w):
+            silu_and_mul_quant_fp8_triton(x, q, s, counts, False, block_m=bm, groups_per_prog=gp,
+                                          num_warps=w)
+        us = graph_us(launch, sets)
+        out.append({"case": case, "block_m": bm, "groups_per_prog": gp, "num_warps": w,
+                    "us": us, "GB/s": gbps(nbytes, us)})
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("quant", "fused"), help="run one of the two tables")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    args = parser.parse_args()
+    if args.only != "fused":
+        _quant(args.sweep)
+    if args.only != "quant":
+        _fused_table(args.sweep)
 
 
 def _sweep(M, sets, nbytes):

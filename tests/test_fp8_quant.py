@@ -178,7 +178,8 @@ def test_tma_flag_without_column_major_gives_row_major_scales():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_division_not_reciprocal_multiply(dtype, kernel_device):
     """Codes are x / scale (IEEE), not x * (1 / scale): on this data the two differ somewhere
-    (checked, so the test can fail: 16-bit inputs make exact ties common), and both the launcher and the public op give the division."""
+    (checked, so the test can fail: 16-bit inputs make exact ties common), and both the launcher
+    and the public op give the division."""
     x = _make_x((64, 1024), dtype=dtype, seed=14)
     g = x.float().unflatten(-1, (8, 128))
     scale = torch.maximum(g.abs().amax(-1), torch.tensor(1e-10)) / torch.tensor(448.0)
@@ -237,6 +238,7 @@ def test_nan_inf_public_op():
     _check_nan_inf(x, *per_token_group_quant_fp8(x, 128))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy: inf / inf
 def test_nan_inf_launcher(kernel_device):
     x = _nan_inf_input(kernel_device)
     x_q = torch.empty(x.shape, dtype=FP8, device=kernel_device)

@@ -11,10 +11,14 @@ Triton kernels perform the same operations, so both give identical bits on any d
     amax  = max(float32(eps), max |x| over the group)   NaN elements take no part in the max
     scale = amax / 448                                  IEEE division
     use_ue8m0: scale = 2**ceil(log2(max(scale, float32(1e-10))))
-                                                        exact, on the bits: (bits + 0x7FFFFF) & 0x7F800000
+                                      exact, on the bits: (bits + 0x7FFFFF) & 0x7F800000
     q     = min(max(x / scale, -448), 448)              IEEE division; max/min return the non-NaN
                                                         operand, so a NaN quotient becomes -448
     x_q   = q cast to float8_e4m3fn, round-to-nearest-even
+
+The ue8m0 bit formula is the one vLLM's register kernel (16-bit inputs, group 128) uses; its
+shared-memory kernel computes exp2f(ceilf(log2f(.))), which can differ only for a scale within an
+ulp or two above a power of two, which amax / 448 never is when amax is a 16-bit value.
 
 Divisions are tensor / tensor on purpose: torch on CUDA turns `t / 448.0` (a Python scalar) into a
 multiply by the reciprocal, which rounds differently at ties; tensor / tensor is IEEE division on
