@@ -25,30 +25,35 @@ def contiguous_num_rows(num_slots: int, local_num_experts: int) -> int:
     return (rows + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
+def _fp8_with_scales_columns(cols: int) -> int:
+    """bf16 elements per row holding `cols` fp8 bytes and their cols/128 float32 scales."""
+    return -(-(cols + cols // ALIGNMENT * 4) // 2)
+
+
 def contiguous_workspace_shapes(M: int, N: int, K: int, topk: int, local_num_experts: int):
     """(ws13, ws2, out) element shapes of the contiguous experts for M tokens.
 
-    ws13 [M_sum, >= 2N] holds GEMM1's output H, then the requantised G' (N fp8 bytes + N/32
-    scale bytes per row), then the reduced output [M, K] when it is not the layer's own output
-    (so its columns also cover M*K / M_sum). ws2 [M_sum, max(N, K) + LAYOUT_INDEX_COLUMNS] holds
-    the permuted input (K fp8 bytes + K/32 scale bytes per row), the SiLU output G [M_sum, N] and
-    GEMM2's output [M_sum, K], followed by the layout's index vectors; out is the reduced [M, K].
+    ws13 [M_sum, .] holds the permuted input A (K fp8 bytes + K/32 scale bytes per row), then the
+    requantised SiLU output G' (N + N/32 bytes per row), then the reduced output [M, K] when it is
+    not the layer's own output (so its columns also cover M*K / M_sum). ws2 [M_sum, max(2N, K) +
+    LAYOUT_INDEX_COLUMNS] holds GEMM1's output H [M_sum, 2N], then GEMM2's output [M_sum, K],
+    followed by the layout's index vectors. out is the reduced [M, K].
     """
     m_sum = contiguous_num_rows(M * topk, local_num_experts)
-    ws13 = (m_sum, max(2 * N, -(-M * K // m_sum)))
-    return ws13, (m_sum, max(N, K) + LAYOUT_INDEX_COLUMNS), (M, K)
+    cols13 = max(_fp8_with_scales_columns(K), _fp8_with_scales_columns(N), -(-M * K // m_sum))
+    return (m_sum, cols13), (m_sum, max(2 * N, K) + LAYOUT_INDEX_COLUMNS), (M, K)
 
 
 def batched_workspace_shapes(T: int, N: int, K: int, local_num_experts: int):
     """(ws13, ws2, out) element shapes of the batched experts for T rows per expert slice.
 
-    ws13 holds H [E_l, T, 2N] (GEMM1's output), later the output Y [E_l, T, K] at its start
-    followed (16-byte aligned) by the requantised G' (N fp8 bytes = N/2 bf16 elements per row)
-    and G''s float32 scales (N/128 per row = N/64 bf16 elements). ws2 holds only G [E_l, T, N].
-    N and K are multiples of 128 for any runnable layer.
+    ws13 holds H [E_l, T, 2N] (GEMM1's output), later the output Y [E_l, T, K] at its start. ws2
+    holds the requantised SiLU output G' (N fp8 bytes = N/2 bf16 elements per row) followed by its
+    float32 scales (N/128 per row = N/64 bf16 elements). N and K are multiples of 128 for any
+    runnable layer.
     """
     e = local_num_experts
-    return (e, T, max(2 * N, K + N // 2 + N // 64)), (e, T, N), (e, T, K)
+    return (e, T, max(2 * N, K)), (e, T, _fp8_with_scales_columns(N)), (e, T, K)
 
 
 def layer_declared_bytes(M: int, N: int, K: int, topk: int, local_num_experts: int) -> int:

@@ -1,25 +1,24 @@
 """Experts over the expert-contiguous layout: DeepGEMM or Triton grouped FP8 GEMMs.
 
-`TritonExperts` and `DeepGemmExperts` share everything but the GEMM call. One `apply`:
+`TritonExperts` and `DeepGemmExperts` share everything but the GEMM call. One `apply`, seven
+launches besides the two GEMMs' own:
 
-    step                      reads                    writes (all inside the two workspaces)
-    layout (2 kernels)        topk_ids [M, k]          int32 index vectors     (tail of ws2)
-    permute a1q               a1q [M, K] fp8           A  fp8 [M_sum, K] + scales  (bytes of ws2)
-    GEMM1 (w1)                A                        H  bf16 [M_sum, 2N]         (ws13)
-    silu_and_mul              H                        G  bf16 [M_sum, N]          (ws2)
-    requantise                G                        G' fp8 [M_sum, N]           (bytes of ws13)
+    step                      reads                    writes (inside the two workspaces)
+    layout (2 kernels)        topk_ids [M, k]          int32 index vectors       (tail of ws2)
+    permute a1q               a1q [M, K] fp8           A  fp8 [M_sum, K] + scales  (ws13 bytes)
+    GEMM1 (w1)                A                        H  bf16 [M_sum, 2N]         (ws2)
+    silu_and_mul + requant    H                        G' fp8 [M_sum, N] + scales  (ws13 bytes)
     GEMM2 (w2)                G'                       Y  bf16 [M_sum, K]          (ws2)
     un-permute + reduce       Y, topk_weights          output [M, K]
 
-Each step reads only what the previous ones wrote, so two buffers suffice (shapes in
-vllm_moe_fixes.sizes.contiguous_workspace_shapes): ws2 holds A's M_sum*K*(1 + 1/32) bytes in its
-2*M_sum*max(N, K), and after them the layout's index vectors, which live through the whole call;
-ws13 holds H, then G' and its MN-major scales (M_sum*N*(1 + 1/32) bytes). The output is the
-layer's output or a view of the start of ws13 (dead once G' is read). M_sum counts the LOCAL
-experts (ops/permute.py). No allocation per call.
+Each step reads only what the previous one wrote, so two buffers suffice (shapes in
+vllm_moe_fixes.sizes.contiguous_workspace_shapes). The layout's index vectors sit after H's and
+Y's columns in ws2 and live through the whole call. The output is the layer's output or a view of
+the start of ws13 (G' is dead once GEMM2 has run). M_sum counts the LOCAL experts
+(ops/permute.py). No allocation per call.
 
-The experts reduce: the un-permute reads each token's k rows of Y through the layout and sums them
-with the router weights (`reduces_output`), so finalize receives [M, K].
+The experts reduce (`reduces_output`): the un-permute reads each token's k rows of Y through the
+layout and sums them with the router weights, so finalize receives [M, K].
 """
 
 from __future__ import annotations
@@ -32,15 +31,14 @@ import torch
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
-from vllm_moe_fixes.ops.activation import silu_and_mul
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
-from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous
 from vllm_moe_fixes.ops.permute import (
     build_contiguous_layout,
     permute_rows,
     unpermute_reduce,
 )
+from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8
 from vllm_moe_fixes.sizes import ALIGNMENT, LAYOUT_INDEX_COLUMNS, contiguous_workspace_shapes
 
 
@@ -87,15 +85,12 @@ class ContiguousExperts(Experts):
         E_l, K, N = w2.shape
         layout = build_contiguous_layout(topk_ids, E_l, expert_map, out=_index_buffer(workspace2))
         m_sum = layout.m_indices.shape[0]
-        a_q, a_s = _fp8_with_mn_major_scales(workspace2, m_sum, K)
+        a_q, a_s = _fp8_with_mn_major_scales(workspace13, m_sum, K)
         permute_rows(a1q, a1q_scale, layout, a_q, a_s)
-        h = workspace13.view(-1)[:m_sum * 2 * N].view(m_sum, 2 * N)
+        h = workspace2.view(-1)[:m_sum * 2 * N].view(m_sum, 2 * N)
         self.gemm((a_q, a_s), (w1, w1_scale), h, layout.m_indices)
-        g = workspace2.view(-1)[:m_sum * N].view(m_sum, N)
-        silu_and_mul(h, out=g)
         g_q, g_s = _fp8_with_mn_major_scales(workspace13, m_sum, N)
-        per_token_group_quant_fp8(g, SCALE_BLOCK, column_major_scales=True,
-                                  tma_aligned_scales=True, out_q=g_q, out_s=g_s)
+        silu_and_mul_quant_fp8(h, out_q=g_q, out_s=g_s)
         y = workspace2.view(-1)[:m_sum * K].view(m_sum, K)
         self.gemm((g_q, g_s), (w2, w2_scale), y, layout.m_indices)
         unpermute_reduce(y, layout.dest, topk_weights, output)
