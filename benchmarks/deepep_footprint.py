@@ -58,13 +58,14 @@ def _measure(rank: int, world: int, backend: str, n: int, hidden: int, experts: 
     torch.cuda.synchronize()
     free_before, total = torch.cuda.mem_get_info()
     reserved_before = torch.cuda.memory_reserved()
-    buffer = make_all2all_buffer(backend, None, max_tokens_per_rank=n, hidden=hidden, num_experts=experts)
+    buffer = make_all2all_buffer(backend, None, max_tokens_per_rank=n, hidden=hidden,
+                                 num_experts=experts)
     torch.cuda.synchronize()
     dist.barrier()
     free_after, _ = torch.cuda.mem_get_info()
     torch_growth = torch.cuda.memory_reserved() - reserved_before
-    result = {"taken_bytes": free_before - free_after - torch_growth, "torch_growth_bytes": torch_growth,
-              "num_nvl_bytes": buffer.num_nvl_bytes, "num_rdma_bytes": buffer.num_rdma_bytes,
+    result = {"taken_bytes": free_before - free_after - torch_growth,
+              "torch_growth_bytes": torch_growth, "num_nvl_bytes": buffer.num_nvl_bytes, "num_rdma_bytes": buffer.num_rdma_bytes,
               "gpu_total_bytes": total}
     # Free the buffer on every rank together (its destructor synchronises the group), not at exit.
     clear_all2all_buffers()
@@ -78,10 +79,11 @@ def _measure(rank: int, world: int, backend: str, n: int, hidden: int, experts: 
 def _case(backend: str, world: int, n: int, hidden: int, experts: int, buffer_mb: int) -> dict:
     from vllm_moe_fixes.distributed.launch import run_distributed
 
-    row = {"backend": backend.removeprefix("deepep_"), "ws": world, "N": n, "H": hidden, "E": experts,
-           "nvl_MiB_env": buffer_mb if backend == "deepep_high_throughput" else 0}
+    row = {"backend": backend.removeprefix("deepep_"), "ws": world, "N": n, "H": hidden,
+           "E": experts, "nvl_MiB_env": buffer_mb if backend == "deepep_high_throughput" else 0}
     try:
-        ranks = run_distributed(_measure, world, backend, n, hidden, experts, buffer_mb, backend="nccl")
+        ranks = run_distributed(_measure, world, backend, n, hidden, experts, buffer_mb,
+                                backend="nccl")
     except Exception as e:  # noqa: BLE001 -- a case that cannot be built is reported, not fatal
         return {**row, "error": str(e).strip().splitlines()[-1][:200]}
     worst = max(ranks, key=lambda r: r["taken_bytes"])
@@ -90,7 +92,8 @@ def _case(backend: str, world: int, n: int, hidden: int, experts: int, buffer_mb
     known = deepep_buffer_footprint_bytes(nvl, 0)  # the workspace and the NVLink buffer
     heap = -(-rdma // NVSHMEM_HEAP_GRANULARITY) * NVSHMEM_HEAP_GRANULARITY
     return {**row, "nvl_bytes": nvl, "rdma_bytes": rdma, "rdma_MiB": rdma / MiB,
-            "measured_MiB": taken / MiB, "model_MiB": model / MiB, "diff_MiB": (taken - model) / MiB,
+            "measured_MiB": taken / MiB, "model_MiB": model / MiB,
+            "diff_MiB": (taken - model) / MiB,
             "implied_fixed_MiB": (taken - known - heap) / MiB if rdma else None,
             "torch_growth_MiB": worst["torch_growth_bytes"] / MiB,
             "per_rank_taken_bytes": [r["taken_bytes"] for r in ranks]}
@@ -98,7 +101,8 @@ def _case(backend: str, world: int, n: int, hidden: int, experts: int, buffer_mb
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="three low-latency cases at world size 1")
+    parser.add_argument("--quick", action="store_true",
+                        help="three low-latency cases at world size 1")
     args = parser.parse_args(argv)
 
     import torch
@@ -111,7 +115,7 @@ def main(argv=None) -> None:
     gpus = torch.cuda.device_count()
     cases = [("deepep_low_latency", 1, *c, 0) for c in (QUICK_LL_CASES if args.quick else LL_CASES)]
     if gpus >= 2 and not args.quick:
-        cases += [("deepep_low_latency", 2, 128, 7168, 32, 0), ("deepep_low_latency", 2, 128, 7168, 256, 0)]
+        cases += [("deepep_low_latency", 2, 128, 7168, e, 0) for e in (32, 256)]
         cases += [("deepep_high_throughput", 2, 128, 7168, 32, mb) for mb in HT_BUFFER_MB]
     rows = []
     for case in cases:
@@ -121,7 +125,8 @@ def main(argv=None) -> None:
     print_table(rows, ["backend", "ws", "N", "H", "E", "nvl_MiB_env", "rdma_MiB", "measured_MiB",
                        "model_MiB", "diff_MiB", "implied_fixed_MiB", "torch_growth_MiB", "error"])
     write_json("deepep_footprint", {
-        "model": {"workspace_bytes": DEEPEP_WORKSPACE_BYTES, "heap_granularity": NVSHMEM_HEAP_GRANULARITY,
+        "model": {"workspace_bytes": DEEPEP_WORKSPACE_BYTES,
+                  "heap_granularity": NVSHMEM_HEAP_GRANULARITY,
                   "cuda_malloc_granule": CUDA_MALLOC_GRANULE},
         "gpus": gpus, "rows": rows})
 

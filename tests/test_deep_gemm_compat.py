@@ -23,7 +23,8 @@ def fake_gpu(monkeypatch):
     def gemm(*args, disable_ue8m0_cast=False):
         state["gemm_calls"] += 1
 
-    mod = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=gemm, m_grouped_fp8_gemm_nt_masked=gemm,
+    mod = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=gemm,
+                                m_grouped_fp8_gemm_nt_masked=gemm,
                                 get_mk_alignment_for_contiguous_layout=lambda: 128)
     monkeypatch.setattr(compat, "_API", compat.resolve(mod))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -42,15 +43,16 @@ def _cuda_operand(index=0):
 @pytest.mark.parametrize("cls", [DeepGemmExperts, BatchedDeepGemmExperts])
 def test_sm100_refused_at_construction(fake_gpu, cls):
     fake_gpu["capability"] = (10, 0)
-    with pytest.raises(RuntimeError, match=rf"{cls.__name__} cannot run on CUDA device 0: on sm_100 "
-                                           r"\(Fake GPU\) DeepGEMM wants UE8M0-packed scales.*"
-                                           r"VLLM_USE_DEEP_GEMM=0"):
+    with pytest.raises(RuntimeError, match=rf"{cls.__name__} cannot run on CUDA device 0: on "
+                                           r"sm_100 \(Fake GPU\) DeepGEMM wants UE8M0-packed "
+                                           r"scales.*VLLM_USE_DEEP_GEMM=0"):
         cls()
 
 
 def test_other_archs_refused_sm90_accepted(fake_gpu):
     fake_gpu["capability"] = (8, 0)
-    with pytest.raises(RuntimeError, match=r"SM90 \(float32 scales\) only, not on sm_80.*VLLM_USE_DEEP_GEMM"):
+    with pytest.raises(RuntimeError,
+                       match=r"SM90 \(float32 scales\) only, not on sm_80.*VLLM_USE_DEEP_GEMM"):
         DeepGemmExperts()
     compat._arch_refusal.cache_clear()
     fake_gpu["capability"] = (9, 0)
@@ -64,7 +66,8 @@ def test_gemm_wrappers_check_the_operands_device_once(fake_gpu):
     compat.m_grouped_fp8_gemm_nt_contiguous(_cuda_operand(), None, None, None)
     assert fake_gpu["gemm_calls"] == 3 and fake_gpu["queries"] == 1  # cached per device
     fake_gpu["capability"] = (10, 0)
-    with pytest.raises(RuntimeError, match="BatchedDeepGemmExperts cannot run on CUDA device 1: on sm_100"):
+    with pytest.raises(RuntimeError,
+                       match="BatchedDeepGemmExperts cannot run on CUDA device 1: on sm_100"):
         compat.m_grouped_fp8_gemm_nt_masked(_cuda_operand(1), None, None, None, 1)
     assert fake_gpu["gemm_calls"] == 3 and fake_gpu["queries"] == 2
 

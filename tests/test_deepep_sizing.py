@@ -61,8 +61,10 @@ def test_rdma_hint_at_64_ranks_matches_deep_ep():
 def test_tables_are_v1_2_1s():
     """Every v1.2.1 rank count, and no other, has a config; the chunks are v1.2.1's."""
     assert deepep_sizing.CONFIG_RANKS == (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
-    chunks = lambda c: (c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,  # noqa: E731
-                        c.num_max_rdma_chunked_send_tokens)
+    def chunks(c):
+        return (c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+                c.num_max_rdma_chunked_send_tokens)
+
     assert chunks(deepep_sizing.get_dispatch_config(24)) == (8, 288, 32)
     assert chunks(deepep_sizing.get_dispatch_config(128)) == (20, 560, 32)
     assert chunks(deepep_sizing.get_combine_config(128)) == (1, 560, 12)
@@ -90,13 +92,15 @@ def test_low_latency_refusals():
         check_low_latency_config(128, 7168, 8, 250)
     with pytest.raises(ValueError, match=r"2 \* 3 = 6 must be a multiple of 4"):
         check_low_latency_config(3, 7168, 2, 256)
-    with pytest.raises(ValueError, match="num_ranks=12: DeepEP needs fewer than 8 ranks or a multiple of 8"):
+    with pytest.raises(ValueError,
+                       match="num_ranks=12: DeepEP needs fewer than 8 ranks or a multiple of 8"):
         check_low_latency_config(128, 7168, 12, 240)
     with pytest.raises(ValueError, match="positive"):
         check_low_latency_config(0, 7168, 2, 256)
     # Any rank count below 8 or a multiple of 8, with no upper limit and no 32-bit buffer limit.
     for r in (1, 3, 5, 7, 8, 24, 48, 96, 256):
-        assert check_low_latency_config(4, 2048, r, 8 * r) == deepep_ll_rdma_bytes(4, 2048, r, 8 * r)
+        need = check_low_latency_config(4, 2048, r, 8 * r)
+        assert need == deepep_ll_rdma_bytes(4, 2048, r, 8 * r)
     assert check_low_latency_config(4096, 7168, 2, 256) > 2**35
 
 
@@ -104,8 +108,8 @@ def test_high_throughput_refusals():
     nvl = 2**30
     assert check_high_throughput_config(7168, 8, 256, nvl) == 0
     assert check_high_throughput_config(7168, 64, 256, nvl) == 367_550_720
-    with pytest.raises(ValueError, match="num_ranks=24: DeepEP v1.2.1 has high-throughput kernels for "
-                                         "2, 4, 8 ranks"):
+    with pytest.raises(ValueError,
+                       match="num_ranks=24: DeepEP v1.2.1 has high-throughput kernels for 2, 4, 8"):
         check_high_throughput_config(7168, 24, 240, nvl)
     with pytest.raises(ValueError, match="num_ranks=48 has no tuned"):
         check_high_throughput_config(7168, 48, 240, nvl)
@@ -113,10 +117,12 @@ def test_high_throughput_refusals():
         check_high_throughput_config(4097, 8, 256, nvl)
     with pytest.raises(ValueError, match="= 256 local experts; .* at most 128 on 2 ranks"):
         check_high_throughput_config(7168, 2, 512, nvl)
-    with pytest.raises(ValueError, match=r"VLLM_DEEPEP_BUFFER_SIZE_MB=8 gives 8388608 NVLink bytes; DeepEP needs"):
+    with pytest.raises(ValueError,
+                       match="VLLM_DEEPEP_BUFFER_SIZE_MB=8 gives 8388608 NVLink bytes; DeepEP needs"):
         check_high_throughput_config(7168, 2, 8, 8 * 2**20)
     # Internode: the NVLink buffer must stay below 2**31 - 1 bytes; intranode may be larger.
-    with pytest.raises(ValueError, match=r"VLLM_DEEPEP_BUFFER_SIZE_MB=2048 .* internode \(16 ranks\)"):
+    with pytest.raises(ValueError,
+                       match=r"VLLM_DEEPEP_BUFFER_SIZE_MB=2048 .* internode \(16 ranks\)"):
         check_high_throughput_config(7168, 16, 256, 2048 * 2**20)
     assert check_high_throughput_config(7168, 16, 256, 2047 * 2**20) > 0
     assert check_high_throughput_config(7168, 8, 256, 4096 * 2**20) == 0
@@ -210,6 +216,7 @@ def test_hints_match_deep_ep():
     for r in deepep_sizing.CONFIG_RANKS:
         for h in (2048, 4096, 7168):
             cfgs = (buffer_cls.get_dispatch_config(r), buffer_cls.get_combine_config(r))
-            assert deepep_nvl_bytes(h, r) == max(c.get_nvl_buffer_size_hint(h * 2, r) for c in cfgs), (h, r)
-            assert deepep_rdma_bytes(h, r) == max(c.get_rdma_buffer_size_hint(h * 2, r) for c in cfgs), (h, r)
+            nvl = max(c.get_nvl_buffer_size_hint(h * 2, r) for c in cfgs)
+            rdma = max(c.get_rdma_buffer_size_hint(h * 2, r) for c in cfgs)
+            assert (deepep_nvl_bytes(h, r), deepep_rdma_bytes(h, r)) == (nvl, rdma), (h, r)
     assert buffer_cls.get_dispatch_config(64).get_rdma_buffer_size_hint(7168 * 2, 64) == 367_550_720

@@ -116,7 +116,8 @@ def test_plan_flags_seed_failure_modes():
     # DP=128 low latency with the seed's fixed 1 GiB RDMA buffer: below DeepEP's hint.
     plan = make_plan(R1, dp=128, max_tokens=128, backend="deepep_low_latency")
     flags = {name: f["raised"] for name, f in plan["flags"].items()}
-    assert plan["deepep"]["ll_rdma_hint_bytes"] == 1_908_410_496  # DeepEP's hint at N=128, H=7168, E=256
+    # DeepEP's hint at N=128, H=7168, E=256.
+    assert plan["deepep"]["ll_rdma_hint_bytes"] == 1_908_410_496
     assert flags["fixed_rdma_below_ll_hint"]
     assert not flags["ll_unsupported_hidden"] and not flags["block_quant_shapes"]
     assert plan["layout"] == "batched"
@@ -140,8 +141,8 @@ def test_plan_counts_the_deepep_buffer_footprint():
     heap = -(-hint // 2**29) * 2**29
     assert plan["buffer_bytes"] == 32 * 2**20 + heap + 2340 * 2**20 > hint + 2 * 2**30
     assert plan["deepep"]["buffer_kwargs"] == {"num_nvl_bytes": 0, "num_rdma_bytes": hint}
-    assert plan["loads"]["zero"]["memory_bytes"] == (plan["weight_bytes"] + plan["buffer_bytes"]
-                                                     + sum(plan["loads"]["zero"]["layer_bytes"].values()))
+    layer = sum(plan["loads"]["zero"]["layer_bytes"].values())
+    assert plan["loads"]["zero"]["memory_bytes"] == plan["weight_bytes"] + plan["buffer_bytes"] + layer
     # Intranode high throughput: no NVSHMEM, the NVLink buffer (2 MiB pages) and the workspace.
     ht = make_plan(R1, dp=8, max_tokens=128, backend="deepep_high_throughput")
     assert ht["buffer_bytes"] == 1024 * 2**20 + 2 * 2**20 + 32 * 2**20
@@ -183,16 +184,19 @@ SERVED = [
 
 
 @pytest.mark.parametrize("cfg, backend, dp, max_tokens, env, reason", REFUSED)
-def test_plan_flags_configurations_deepep_cannot_serve(cfg, backend, dp, max_tokens, env, reason, monkeypatch):
+def test_plan_flags_configurations_deepep_cannot_serve(cfg, backend, dp, max_tokens, env, reason,
+                                                       monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    flag = make_plan(cfg, dp=dp, max_tokens=max_tokens, backend=backend)["flags"]["deepep_cannot_serve"]
+    plan = make_plan(cfg, dp=dp, max_tokens=max_tokens, backend=backend)
+    flag = plan["flags"]["deepep_cannot_serve"]
     assert flag["raised"] and reason in flag["detail"] and backend in flag["detail"]
 
 
 @pytest.mark.parametrize("cfg, backend, dp, max_tokens, env",
                          [case[:5] for case in REFUSED] + SERVED)
-def test_plan_flags_exactly_what_make_all2all_buffer_refuses(cfg, backend, dp, max_tokens, env, monkeypatch):
+def test_plan_flags_exactly_what_make_all2all_buffer_refuses(cfg, backend, dp, max_tokens, env,
+                                                             monkeypatch):
     """The planner and make_all2all_buffer share their checks: the plan flags a configuration
     exactly when building its buffer raises ValueError (otherwise building reaches DeepEP)."""
     from vllm_moe_fixes._compat import deep_ep
@@ -200,16 +204,21 @@ def test_plan_flags_exactly_what_make_all2all_buffer_refuses(cfg, backend, dp, m
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(buffers, "_group_size", lambda group: dp)
-    monkeypatch.setattr(deep_ep, "require", lambda backend: (_ for _ in ()).throw(ImportError("stop")))
-    raised = make_plan(cfg, dp=dp, max_tokens=max_tokens, backend=backend)["flags"]["deepep_cannot_serve"]["raised"]
+    def no_deep_ep(backend):
+        raise ImportError("stop before building")
+
+    monkeypatch.setattr(deep_ep, "require", no_deep_ep)
+    plan = make_plan(cfg, dp=dp, max_tokens=max_tokens, backend=backend)
+    raised = plan["flags"]["deepep_cannot_serve"]["raised"]
     with pytest.raises(ValueError if raised else ImportError):
-        buffers.make_all2all_buffer(backend, None, max_tokens_per_rank=max_tokens, hidden=cfg.hidden_size,
-                                    num_experts=cfg.num_experts)
+        buffers.make_all2all_buffer(backend, None, max_tokens_per_rank=max_tokens,
+                                    hidden=cfg.hidden_size, num_experts=cfg.num_experts)
 
 
 def test_plan_flags_block_quant_shapes():
     assert make_plan(_cfg(hidden_size=4097), dp=8)["flags"]["block_quant_shapes"]["raised"]
-    assert make_plan(_cfg(moe_intermediate_size=2000), dp=8)["flags"]["block_quant_shapes"]["raised"]
+    plan = make_plan(_cfg(moe_intermediate_size=2000), dp=8)
+    assert plan["flags"]["block_quant_shapes"]["raised"]
     assert not make_plan(R1, dp=8)["flags"]["block_quant_shapes"]["raised"]
 
 

@@ -22,12 +22,13 @@ of them are simulated (random ids are independent, so a sample is representative
 scaled to the whole group; sampling noise can only add imbalance, so the busiest/mean ratio from a
 sample is a slight over-estimate. All-zero ids are exact at any sample size.
 
-Memory model at the busiest rank (the one receiving the most tokens; bytes): the MoE weights of its
-local experts over all MoE layers (FP8 with float32 128x128 block scales) + the device footprint
-of the backend's DeepEP buffer (``deepep_buffer_footprint_bytes``: its byte counts, DeepEP's 32 MiB
-workspace and NVSHMEM's heap granularity and fixed cost) + one layer's received rows, expert workspaces (``vllm_moe_fixes.sizes``, the shapes
-the experts ask the modular kernel for; they hold the experts' output) and result (the modular
-kernel reuses the workspaces across layers).
+Memory model at the busiest rank (the one receiving the most tokens; bytes): the MoE weights of
+its local experts over all MoE layers (FP8 with float32 128x128 block scales) + the device
+footprint of the backend's DeepEP buffer (``deepep_buffer_footprint_bytes``: its byte counts,
+DeepEP's 32 MiB workspace, NVSHMEM's heap granularity and fixed cost) + one layer's received rows,
+expert workspaces (``vllm_moe_fixes.sizes``, the shapes the experts ask the modular kernel for;
+they hold the experts' output) and result (the modular kernel reuses the workspaces across
+layers).
 Dense layers, attention, KV cache and shared experts are not counted: it is a lower bound.
 """
 
@@ -92,7 +93,8 @@ class SimulatedRouter:
 
         softmax: the k largest logits (softmax is monotone). sigmoid with n_group > 1 (DeepSeek-V3):
         scores = sigmoid(logits) (+ a correction bias, zero here); a group's score is the sum of its
-        2 best scores; only the topk_group best groups stay eligible; the k best eligible scores win.
+        2 best scores; only the topk_group best groups stay eligible; the k best eligible scores
+        win.
         """
         cfg = self.cfg
         unique, inverse = np.unique(token_ids, return_inverse=True)
@@ -172,14 +174,15 @@ def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_experts: int,
              "workspace13": math.prod(ws13) * BF16,
              "workspace2": math.prod(ws2) * BF16,
              "layer_output": max_tokens * K * BF16}
-    largest = {"name": f"GEMM1 output [{rows}, {2 * I}]" if 2 * I >= K else f"GEMM2 output [{rows}, {K}]",
-               "elements": rows * max(2 * I, K)}
+    name = f"GEMM1 output [{rows}, {2 * I}]" if 2 * I >= K else f"GEMM2 output [{rows}, {K}]"
+    largest = {"name": name, "elements": rows * max(2 * I, K)}
     return layer, largest
 
 
 def _weight_bytes(cfg: MoEModelConfig, local_experts: int) -> int:
     K, I = cfg.hidden_size, cfg.moe_intermediate_size
-    per_expert = 3 * I * K * FP8 + (math.ceil(2 * I / 128) + math.ceil(I / 128)) * math.ceil(K / 128) * F32
+    scale_blocks = (math.ceil(2 * I / 128) + math.ceil(I / 128)) * math.ceil(K / 128)
+    per_expert = 3 * I * K * FP8 + scale_blocks * F32
     return cfg.num_moe_layers * local_experts * per_expert
 
 
@@ -208,7 +211,8 @@ def _check_arguments(dp, ep, max_tokens, backend, gpu_memory_gib, seed) -> tuple
         raise ValueError(f"backend={backend!r}; allowed: {', '.join(envs.ALL2ALL_BACKENDS)}")
     if dp % ep:
         raise ValueError(f"ep={ep} must divide dp={dp} (an EP group is made of ep of the DP ranks)")
-    if not (isinstance(gpu_memory_gib, (int, float)) and math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+    finite = isinstance(gpu_memory_gib, (int, float)) and math.isfinite(gpu_memory_gib)
+    if not (finite and gpu_memory_gib > 0):
         raise ValueError(f"gpu_memory_gib must be a finite number > 0, got {gpu_memory_gib!r}")
     return ep, max_tokens, backend
 
@@ -230,11 +234,12 @@ def _size_buffers(cfg: MoEModelConfig, backend: str, ep: int, max_tokens: int) -
               "seed_fixed_rdma_bytes": SEED_RDMA_BYTES,
               "buffer_kwargs": None, "buffer_bytes": 0}
     if ep == 1 or backend == "naive":
-        why = "one rank: no all-to-all" if ep == 1 else "naive backend: torch.distributed all-to-all"
+        why = ("one rank: no all-to-all" if ep == 1
+               else "naive backend: torch.distributed all-to-all")
         return deepep, {"raised": False, "detail": f"{backend}: not a DeepEP configuration ({why})"}
     try:
-        kwargs = check_deepep_config(backend, num_ranks=ep, max_tokens_per_rank=max_tokens, hidden=K,
-                                     num_experts=E, nvl_bytes=nvl)
+        kwargs = check_deepep_config(backend, num_ranks=ep, max_tokens_per_rank=max_tokens,
+                                     hidden=K, num_experts=E, nvl_bytes=nvl)
     except ValueError as e:
         return deepep, {"raised": True, "detail": f"{backend} cannot run this configuration: {e}"}
     deepep["buffer_kwargs"] = kwargs
@@ -296,12 +301,14 @@ def _raise_flags(cfg: MoEModelConfig, loads: dict, deepep: dict, cannot_serve: d
                   "'layout.total_bytes <= num_rdma_bytes' assertion"}
     flags["ll_unsupported_hidden"] = {
         "raised": K not in LL_SUPPORTED_HIDDEN,
-        "detail": f"hidden {K}; DeepEP low-latency supports {', '.join(map(str, LL_SUPPORTED_HIDDEN))}"}
+        "detail": f"hidden {K}; DeepEP low-latency supports "
+                  f"{', '.join(map(str, LL_SUPPORTED_HIDDEN))}"}
     nvl, nvl_hint = deepep["nvl_bytes"], deepep["nvl_hint_bytes"]
     flags["nvl_buffer_below_hint"] = {
         "raised": nvl_hint is not None and nvl < nvl_hint,
         "detail": f"VLLM_DEEPEP_BUFFER_SIZE_MB gives {nvl} bytes vs DeepEP's high-throughput hint "
-                  f"{nvl_hint if nvl_hint is not None else 'n/a (no tuned config for ' + str(ep) + ' ranks)'}"}
+                  + (str(nvl_hint) if nvl_hint is not None
+                     else f"n/a (no tuned config for {ep} ranks)")}
     flags["deepep_cannot_serve"] = cannot_serve
     return flags
 
@@ -347,7 +354,8 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
         "model": cfg.to_dict(), "dp": dp, "ep": ep, "max_tokens": max_tokens, "backend": backend,
         "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_experts,
         "group_tokens": ep * max_tokens, "simulated_tokens": min(ep * max_tokens, SAMPLE_TOKENS),
-        "seed": seed, "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",
+        "seed": seed,
+        "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",
         "loads": loads, "weight_bytes": weight_bytes, "buffer_bytes": deepep["buffer_bytes"],
         "deepep": deepep, "flags": flags, "elapsed_s": time.perf_counter() - start,
     }
@@ -365,7 +373,8 @@ def format_plan(plan: dict) -> str:
         + (f" (groups {m['n_group']}, top-{m['topk_group']})" if m["n_group"] > 1 else "")
         + f", {m['num_layers'] - m['num_dense_layers']} MoE layers",
         (f"dp={plan['dp']} ep={plan['ep']} max tokens/rank={plan['max_tokens']} "
-         f"backend={plan['backend']} ({plan['layout']} layout) experts/rank={plan['local_experts']} "
+         f"backend={plan['backend']} ({plan['layout']} layout) "
+         f"experts/rank={plan['local_experts']} "
          f"budget={plan['gpu_memory_gib']:g} GiB"),
         (f"simulated {plan['simulated_tokens']} of the EP group's {plan['group_tokens']} tokens "
          f"(seed {plan['seed']}){sampled}; dummy ids in effect now: {plan['inputs_in_effect']}"),
@@ -385,11 +394,13 @@ def format_plan(plan: dict) -> str:
     row("expert weights (all layers)", _gib(plan["weight_bytes"]), _gib(plan["weight_bytes"]))
     row("all-to-all buffer footprint", _gib(plan["buffer_bytes"]), _gib(plan["buffer_bytes"]))
     row("memory (lower bound)", _gib(z["memory_bytes"]), _gib(r["memory_bytes"]))
-    row("largest tensor (elements)", z["largest_tensor"]["elements"], r["largest_tensor"]["elements"])
+    row("largest tensor (elements)", z["largest_tensor"]["elements"],
+        r["largest_tensor"]["elements"])
     d = plan["deepep"]
     lines += ["", (f"DeepEP: NVL buffer {_gib(d['nvl_bytes'])} (high-throughput hint "
                    f"{_gib(d['nvl_hint_bytes'])}), HT RDMA hint {_gib(d['ht_rdma_hint_bytes'])}, "
-                   f"LL RDMA hint {d['ll_rdma_hint_bytes']} bytes ({_gib(d['ll_rdma_hint_bytes'])})"),
+                   f"LL RDMA hint {d['ll_rdma_hint_bytes']} bytes "
+                   f"({_gib(d['ll_rdma_hint_bytes'])})"),
               ""]
     for name, flag in plan["flags"].items():
         lines.append(f"[{'FLAG' if flag['raised'] else ' ok '}] {name}: {flag['detail']}")

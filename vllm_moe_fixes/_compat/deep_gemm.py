@@ -36,7 +36,8 @@ _NAMES = {
 
 
 def _takes_kwarg(fn: Any, name: str) -> bool:
-    """Whether `fn` accepts keyword `name`; pybind11 functions have no signature, only a docstring."""
+    """Whether `fn` accepts keyword `name` (pybind11 functions have no signature, only a
+    docstring)."""
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -86,7 +87,8 @@ def _api(what: str) -> SimpleNamespace:
 
 @functools.cache
 def _arch_refusal(device_index: int) -> str | None:
-    """Why DeepGEMM with float32 scales cannot run on CUDA device ``device_index`` (None: it can)."""
+    """Why DeepGEMM with float32 scales cannot run on CUDA device ``device_index`` (None if it
+    can)."""
     import torch
     major, minor = torch.cuda.get_device_capability(device_index)
     arch = f"sm_{major}{minor} ({torch.cuda.get_device_name(device_index)})"

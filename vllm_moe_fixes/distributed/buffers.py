@@ -33,7 +33,8 @@ def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
         backend: ``"naive"``, ``"deepep_high_throughput"`` or ``"deepep_low_latency"``; None reads
             ``VLLM_ALL2ALL_BACKEND``.
         group: the expert-parallel process group (None: the default group).
-        max_tokens_per_rank: most tokens one rank dispatches per call (sizes the low-latency buffer).
+        max_tokens_per_rank: most tokens one rank dispatches per call (sizes the low-latency
+            buffer).
         hidden: hidden size H.
         num_experts: global expert count E.
 
@@ -50,7 +51,8 @@ def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
     if backend is None:
         backend = envs.VLLM_ALL2ALL_BACKEND
     if backend not in envs.ALL2ALL_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known; allowed: {', '.join(envs.ALL2ALL_BACKENDS)}")
+        raise ValueError(f"backend={backend!r} is not known; allowed: "
+                         f"{', '.join(envs.ALL2ALL_BACKENDS)}")
     for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
                         ("num_experts", num_experts)):
         check_positive_int(name, value)
@@ -61,8 +63,9 @@ def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
         kwargs = dict(low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens_per_rank,
                       hidden=hidden, num_experts=num_experts)
     else:
-        kwargs = check_deepep_config(backend, num_ranks=num_ranks, max_tokens_per_rank=max_tokens_per_rank,
-                                     hidden=hidden, num_experts=num_experts,
+        kwargs = check_deepep_config(backend, num_ranks=num_ranks,
+                                     max_tokens_per_rank=max_tokens_per_rank, hidden=hidden,
+                                     num_experts=num_experts,
                                      nvl_bytes=envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20)
         if backend == "deepep_low_latency":
             kwargs.update(low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)

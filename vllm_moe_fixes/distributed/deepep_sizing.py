@@ -1,10 +1,11 @@
 """DeepEP v1.2.1's buffer sizing, the configurations it can serve, and what a buffer costs, in pure
 Python (no torch).
 
-The sizing functions reproduce DeepEP v1.2.1's own arithmetic (``csrc/config.hpp``) and its tuned
-``Config`` tables (``deep_ep/buffer.py``) so that a planner can size buffers without a GPU or DeepEP;
-``check_deepep_config`` refuses, with the numbers, every configuration v1.2.1 refuses at construction
-or first call (its host assertions and the rank counts / hidden sizes its kernels are compiled for);
+The sizing functions reproduce DeepEP v1.2.1's own arithmetic (``csrc/config.hpp``) and its
+tuned ``Config`` tables (``deep_ep/buffer.py``) so that a planner can size buffers without a GPU
+or DeepEP; ``check_deepep_config`` refuses, with the numbers, every configuration v1.2.1 refuses
+at construction or first call (its host assertions and the rank counts / hidden sizes its kernels
+are compiled for);
 ``deepep_buffer_footprint_bytes`` models the device memory a ``deep_ep.Buffer`` really takes.
 ``tests/test_deepep_sizing.py`` pins known values and, where DeepEP imports, compares with DeepEP's
 own hints.
@@ -61,17 +62,18 @@ class Config:
     num_max_rdma_chunked_recv_tokens: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_max_rdma_chunked_recv_tokens",
-                           _align(self.num_max_rdma_chunked_recv_tokens, self.num_max_rdma_chunked_send_tokens))
-        nvl_send, nvl_recv = self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens
-        rdma_send, rdma_recv = self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens
+        rdma_send = self.num_max_rdma_chunked_send_tokens
+        rdma_recv = _align(self.num_max_rdma_chunked_recv_tokens, rdma_send)
+        object.__setattr__(self, "num_max_rdma_chunked_recv_tokens", rdma_recv)
+        nvl_send = self.num_max_nvl_chunked_send_tokens
+        nvl_recv = self.num_max_nvl_chunked_recv_tokens
         if self.num_sms < 0 or not 0 < nvl_send < nvl_recv or not 0 < rdma_send <= rdma_recv // 2:
             # The last rule keeps room for a sender while the receiver's head update lags.
-            raise ValueError(f"{self}: DeepEP needs num_sms >= 0, 0 < nvl send < nvl recv chunk and "
-                             "0 < rdma send chunk <= half the (rounded) rdma recv chunk")
+            raise ValueError(f"{self}: DeepEP needs num_sms >= 0, 0 < nvl send < nvl recv chunk "
+                             "and 0 < rdma send chunk <= half the (rounded) rdma recv chunk")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """NVLink buffer bytes DeepEP wants for rows of ``hidden_bytes`` over ``num_ranks`` ranks."""
+        """NVLink buffer bytes DeepEP wants for rows of ``hidden_bytes`` over ``num_ranks``."""
         check_rank_count(num_ranks)
         if num_ranks > NUM_MAX_NVL_PEERS and self.num_sms % 2:
             raise ValueError(f"num_sms={self.num_sms} must be even above {NUM_MAX_NVL_PEERS} ranks")
@@ -131,12 +133,16 @@ def get_combine_config(num_ranks: int, num_sms: int = DEFAULT_NUM_SMS) -> Config
     return _config(_COMBINE_CHUNKS, num_ranks, num_sms)
 
 
+def _configs(num_ranks: int, num_sms: int) -> tuple[Config, Config]:
+    return get_dispatch_config(num_ranks, num_sms), get_combine_config(num_ranks, num_sms)
+
+
 def check_rank_count(num_ranks: int) -> None:
     """Every DeepEP buffer: fewer than 8 ranks or a multiple of 8 (one NVLink domain is 8)."""
     check_positive_int("num_ranks", num_ranks)
     if num_ranks >= NUM_MAX_NVL_PEERS and num_ranks % NUM_MAX_NVL_PEERS:
-        raise ValueError(f"num_ranks={num_ranks}: DeepEP needs fewer than {NUM_MAX_NVL_PEERS} ranks "
-                         f"or a multiple of {NUM_MAX_NVL_PEERS}")
+        raise ValueError(f"num_ranks={num_ranks}: DeepEP needs fewer than {NUM_MAX_NVL_PEERS} "
+                         f"ranks or a multiple of {NUM_MAX_NVL_PEERS}")
 
 
 def deepep_nvl_bytes(hidden: int, num_ranks: int, *, elem_bytes: int = 2,
@@ -150,14 +156,14 @@ def deepep_nvl_bytes(hidden: int, num_ranks: int, *, elem_bytes: int = 2,
         num_sms: ``Buffer.num_sms`` (DeepEP's default 20).
     """
     return max(cfg.get_nvl_buffer_size_hint(hidden * elem_bytes, num_ranks)
-               for cfg in (get_dispatch_config(num_ranks, num_sms), get_combine_config(num_ranks, num_sms)))
+               for cfg in _configs(num_ranks, num_sms))
 
 
 def deepep_rdma_bytes(hidden: int, num_ranks: int, *, elem_bytes: int = 2,
                       num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """RDMA bytes a normal-mode buffer needs (0 up to 8 ranks); arguments as ``deepep_nvl_bytes``."""
+    """RDMA bytes a normal-mode buffer needs (0 up to 8 ranks); arguments as deepep_nvl_bytes."""
     return max(cfg.get_rdma_buffer_size_hint(hidden * elem_bytes, num_ranks)
-               for cfg in (get_dispatch_config(num_ranks, num_sms), get_combine_config(num_ranks, num_sms)))
+               for cfg in _configs(num_ranks, num_sms))
 
 
 def deepep_ll_rdma_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -195,12 +201,13 @@ def check_low_latency_config(num_max_dispatch_tokens_per_rank: int, hidden: int,
                          f"allowed: {', '.join(map(str, LL_SUPPORTED_HIDDEN))}")
     check_experts_per_rank(e, r)
     if (r * n) % 4:
-        raise ValueError(f"num_ranks * max_tokens_per_rank = {r} * {n} = {r * n} must be a multiple "
-                         "of 4 (DeepEP's TMA loads of the received scales)")
+        raise ValueError(f"num_ranks * max_tokens_per_rank = {r} * {n} = {r * n} must be a "
+                         "multiple of 4 (DeepEP's TMA loads of the received scales)")
     return deepep_ll_rdma_bytes(n, h, r, e)
 
 
-def check_high_throughput_config(hidden: int, num_ranks: int, num_experts: int, nvl_bytes: int) -> int:
+def check_high_throughput_config(hidden: int, num_ranks: int, num_experts: int,
+                                 nvl_bytes: int) -> int:
     """Raise ``ValueError`` (numbers included) where DeepEP's high-throughput mode cannot serve
     ``num_ranks`` ranks with rows of ``hidden`` (sent FP8 by dispatch, bf16 by combine), experts
     split over the ranks, and an NVLink buffer of ``nvl_bytes``; otherwise return the RDMA bytes
@@ -231,9 +238,10 @@ def check_high_throughput_config(hidden: int, num_ranks: int, num_experts: int, 
                          f"bytes; DeepEP needs {need} for hidden={hidden} on {num_ranks} ranks")
     rdma = deepep_rdma_bytes(hidden, num_ranks)
     if rdma and nvl_bytes >= INT32_MAX:
-        raise ValueError(f"VLLM_DEEPEP_BUFFER_SIZE_MB={nvl_bytes / MiB:g} gives {nvl_bytes} NVLink bytes: internode "
-                         f"({num_ranks} ranks) needs fewer than 2**31 - 1 (< 2048 MiB), DeepEP's "
-                         "internode kernels address the buffer with 32-bit ints")
+        raise ValueError(f"VLLM_DEEPEP_BUFFER_SIZE_MB={nvl_bytes / MiB:g} gives {nvl_bytes} NVLink "
+                         f"bytes: internode ({num_ranks} ranks) needs fewer than 2**31 - 1 "
+                         "(< 2048 MiB), DeepEP's internode kernels address the buffer with 32-bit "
+                         "ints")
     if rdma >= INT32_MAX:
         raise ValueError(f"the RDMA buffer for hidden={hidden} on {num_ranks} ranks needs {rdma} "
                          "bytes, at or past DeepEP's internode limit 2**31 - 1")
@@ -261,8 +269,8 @@ def check_deepep_config(backend: str, *, num_ranks: int, max_tokens_per_rank: in
     if backend == "deepep_low_latency":
         rdma = check_low_latency_config(max_tokens_per_rank, hidden, num_ranks, num_experts)
         return {"num_nvl_bytes": 0, "num_rdma_bytes": rdma}
-    raise ValueError(f"backend={backend!r} is not a DeepEP backend; allowed: deepep_high_throughput, "
-                     "deepep_low_latency")
+    raise ValueError(f"backend={backend!r} is not a DeepEP backend; allowed: "
+                     "deepep_high_throughput, deepep_low_latency")
 
 
 # --------------------------------------------------------------------------- device footprint
@@ -285,7 +293,7 @@ NVSHMEM_FIXED_BYTES = 2340 * MiB
 # Heap bytes NVSHMEM uses itself before DeepEP's buffer; 0 fits the calibration (the 227.5 MiB
 # buffer and NVSHMEM's own share fit one 512 MiB step either way).
 NVSHMEM_HEAP_RESERVED_BYTES = 0
-# Barrier signals (8 ints), buffer pointers and barrier-signal pointers (8 each) after the NVL buffer.
+# Barrier signals (8 ints), buffer and barrier-signal pointers (8 each) after the NVLink buffer.
 _NVL_METADATA_BYTES = NUM_MAX_NVL_PEERS * (4 + 8 + 8)
 
 
