@@ -159,7 +159,7 @@ def per_token_group_quant_fp8_triton(
     )
 
 
-# ---------------------------------------------------------------- public op: check, allocate, launch
+# ---------------------------------------------------------------- public op: check, allocate, run
 
 def _check_arguments(x, group_size, eps, dtype, column_major_scales) -> None:
     """Validate x and the scalar arguments of per_token_group_quant_fp8 (see its docstring)."""
