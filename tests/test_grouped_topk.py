@@ -100,7 +100,7 @@ def assert_same_routing(got, want):
     (gw, gi), (ww, wi) = got, want
     assert gw.dtype == torch.float32 and gi.dtype == torch.int64 and gi.shape == wi.shape
     assert torch.equal(gi.cpu(), wi.cpu())
-    torch.testing.assert_close(gw.cpu(), ww.cpu(), rtol=2e-7, atol=1e-30)
+    torch.testing.assert_close(gw.cpu(), ww.cpu(), rtol=1e-6, atol=1e-30)  # a few float32 ulps
 
 
 # ----------------------------------------------------------------------------------------------

@@ -139,8 +139,8 @@ def _grouped_topk_kernel(
         top_ids = tl.where(slot == t, expert_id[:, None].to(tl.int64), top_ids)
         top_w = tl.where(slot == t, w[:, None], top_w)
 
-    if RENORMALIZE:
-        top_w = top_w / (total + 1e-20)[:, None]
+    if RENORMALIZE:  # IEEE division, as torch divides (Triton's `/` may round approximately)
+        top_w = tl.math.div_rn(top_w, (total + 1e-20)[:, None])
     top_w = top_w * scaling
     out_mask = (rows < M)[:, None] & (slot < TOPK)
     tl.store(weights_ptr + rows[:, None] * weights_stride_m + slot * weights_stride_k, top_w,
