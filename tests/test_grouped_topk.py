@@ -187,6 +187,18 @@ def test_launcher_matches_torch_path(M, E, G, TG, k, ties, kernel_device):
                         grouped_topk_ref(logits, k, **kw))
 
 
+@pytest.mark.parametrize("E,G,TG", [(16, 4, tg) for tg in range(1, 5)]
+                         + [(64, 8, tg) for tg in range(1, 9)])
+def test_launcher_every_topk_group(E, G, TG, kernel_device):
+    logits, bias = make_inputs(9, E, ties=TG % 2 == 0, seed=TG, device=kernel_device)
+    k = min(TG * E // G, 5)
+    kw = route_kwargs(G, TG, bias=bias)
+    got = run_launcher(logits, k, **kw)
+    assert_same_routing(got, grouped_topk_ref(logits, k, **kw))
+    assert_same_routing(got, expected_routing(logits, k, num_expert_group=G, topk_group=TG,
+                                              renormalize=True, bias=bias))
+
+
 @pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
