@@ -719,12 +719,16 @@ def test_gpu_past_2_31_elements():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,use_map", [(128, False), (2048, True)])
-def test_gpu_cuda_graph_replay_matches_eager(M, use_map):
+@pytest.mark.parametrize("M,use_map,chunk", [(128, False, None), (2048, True, None),
+                                             (2048, False, 768)])
+def test_gpu_cuda_graph_replay_matches_eager(M, use_map, chunk, monkeypatch):
     """Engines run decode under CUDA graphs: the whole layer (layout, permute, GEMMs, SiLU,
     requantisation, un-permute, finalize) must capture without host syncs, reuse the kernel's
     workspaces, and replay on NEW data copied into the captured inputs (new tokens and routing).
-    M = 128 builds the layout in one chunk of slots, M = 2048 (16384 slots) in 128 chunks."""
+    M = 128 builds the layout in one chunk of slots, M = 2048 (16384 slots) in 128 chunks; with
+    VLLM_FUSED_MOE_CHUNK_SIZE=768 the captured call makes three passes."""
+    if chunk is not None:
+        monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", str(chunk))
     E, k, N, K = 16, 8, 512, 1024
     local = list(range(1, E, 2)) if use_map else None
     p = make_problem(M, k, E, N, K, local=local, device="cuda", seed=M)
@@ -776,3 +780,77 @@ def test_gpu_deep_gemm_experts(E, k, M, N, K, use_map, monkeypatch):
         assert pf.seen[p["expert_map"][p["topk_ids"]] < 0].eq(0).all()
     triton_out = run(new_kernel(), p, E)
     assert calc_diff(out, triton_out) < 1e-3
+
+
+def _kernels_per_call(fn, calls=3):
+    """CUDA kernels launched per call of fn, from torch.profiler (after a warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    return len(kernels) / calls, sorted({e.name for e in kernels})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 128, 4096])
+def test_gpu_contiguous_path_launches_at_most_8_kernels(M):
+    """input quant + layout (2) + permute + GEMM1 + SiLU-quant + GEMM2 + un-permute-reduce."""
+    E, k, N, K = 8, 8, 256, 512
+    p = make_problem(M, k, E, N, K, device="cuda", seed=M)
+    kernel = new_kernel()
+    per_call, names = _kernels_per_call(lambda: run(kernel, p, E))
+    assert per_call <= 8, (per_call, names)
+
+
+@pytest.mark.gpu
+def test_gpu_steady_state_call_does_not_synchronise():
+    """No .item(), .tolist(), boolean indexing or nonzero on the one-rank path: a second call
+    under torch's sync debug mode 'error' raises on any synchronising op."""
+    p = make_problem(300, 6, 16, 256, 512, local=list(range(0, 16, 2)), device="cuda", seed=3)
+    kernel = new_kernel()
+    want = run(kernel, p, 16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run(kernel, p, 16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+def test_gpu_id_range_check_is_opt_in(monkeypatch):
+    """CUDA ids are range-checked only with VLLM_MOE_CHECK_IDS=1 (it synchronises); unchecked, an
+    out-of-range id gets no row, like -1."""
+    p = make_problem(20, 2, 8, 128, 256, device="cuda", seed=5)
+    p["topk_ids"][3, 1] = 8
+    monkeypatch.setenv("VLLM_MOE_CHECK_IDS", "1")
+    with pytest.raises(ValueError, match=r"topk_ids\[3, 1\] = 8"):
+        run(new_kernel(), p, 8)
+    bad_map = dict(p, topk_ids=p["topk_ids"].clamp(max=7),
+                   expert_map=torch.tensor([0, 1, 2, 3, 4, 5, 6, 9], dtype=torch.int32,
+                                           device="cuda"))
+    with pytest.raises(ValueError, match=r"expert_map\[7\] = 9"):
+        run(new_kernel(), bad_map, 8)
+    monkeypatch.setenv("VLLM_MOE_CHECK_IDS", "0")
+    out = run(new_kernel(), p, 8)
+    dropped = p["topk_ids"].clone()
+    dropped[3, 1] = -1
+    assert torch.equal(out, run(new_kernel(), dict(p, topk_ids=dropped), 8))
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_layer_matches_reference(monkeypatch):
+    """A prefill-sized call in chunks (4 passes) against the reference and one pass."""
+    E, k, M, N, K = 16, 8, 4000, 256, 1024
+    p = make_problem(M, k, E, N, K, local=list(range(0, E, 2)), device="cuda", seed=4)
+    one_pass = run(new_kernel(), p, E)
+    monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", "1024")
+    out = run(new_kernel(), p, E)
+    check_close(out, reference(p))
+    assert calc_diff(out, one_pass) < 1e-6
