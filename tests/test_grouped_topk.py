@@ -279,11 +279,8 @@ def test_bad_arguments():
 ], ids=lambda c: c.name)
 def test_planner_simulation_chooses_the_same_experts(cfg):
     router = SimulatedRouter(cfg, seed=3)
-    T = 256
-    # route() draws the logits of its distinct ids with _logits(count); ids 0..T-1 are distinct
-    # and sorted, so row t of _logits(T) is token t's logits (planner has no logits-in entry).
-    logits = torch.from_numpy(router._logits(T))
-    simulated = np.sort(router.route(np.arange(T)), axis=1)
+    logits = torch.randn(256, cfg.num_experts, generator=torch.Generator().manual_seed(5))
+    simulated = np.sort(router.route_logits(logits.numpy()), axis=1)
     _, ids = grouped_topk(logits, cfg.top_k, **route_kwargs(cfg.n_group, cfg.topk_group))
     assert np.array_equal(simulated, np.sort(ids.numpy(), axis=1))
 

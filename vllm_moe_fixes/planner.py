@@ -89,7 +89,12 @@ class SimulatedRouter:
         return z @ self._factor
 
     def route(self, token_ids: np.ndarray) -> np.ndarray:
-        """Top-k expert ids int64 [T, k] for int token ids [T] (equal ids route alike).
+        """Top-k expert ids int64 [T, k] for int token ids [T] (equal ids route alike)."""
+        unique, inverse = np.unique(token_ids, return_inverse=True)
+        return self.route_logits(self._logits(unique.size))[inverse.reshape(-1)]
+
+    def route_logits(self, logits: np.ndarray) -> np.ndarray:
+        """Top-k expert ids int64 [T, k] (in no particular order) for router logits float32 [T, E].
 
         softmax: the k largest logits (softmax is monotone). sigmoid with n_group > 1 (DeepSeek-V3):
         scores = sigmoid(logits) (+ a correction bias, zero here); a group's score is the sum of its
@@ -97,8 +102,7 @@ class SimulatedRouter:
         win.
         """
         cfg = self.cfg
-        unique, inverse = np.unique(token_ids, return_inverse=True)
-        scores = self._logits(unique.size)
+        scores = logits
         if cfg.scoring == "sigmoid":
             scores = 1.0 / (1.0 + np.exp(-scores))
         if cfg.n_group > 1:
@@ -109,7 +113,7 @@ class SimulatedRouter:
             np.put_along_axis(eligible, best, True, axis=1)
             scores = np.where(eligible[..., None], grouped, -np.inf).reshape(len(scores), -1)
         topk = np.argpartition(-scores, cfg.top_k - 1, axis=1)[:, :cfg.top_k]
-        return topk[inverse.reshape(-1)].astype(np.int64)
+        return topk.astype(np.int64)
 
 
 @dataclass
