@@ -40,12 +40,6 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_triton,
     grouped_fp8_gemm_masked_ref,
 )
-from vllm_moe_fixes.ops.permute import (
-    build_contiguous_layout_triton,
-    carve_layout,
-    permute_rows_triton,
-    unpermute_reduce_triton,
-)
 from vllm_moe_fixes.ops.reference import calc_diff, rel_err
 from vllm_moe_fixes.sizes import (
     LAYOUT_INDEX_COLUMNS,
@@ -638,22 +632,15 @@ def test_select_batched_experts(monkeypatch, caplog):
                 select(*bad_args)
 
 
-def _triton_layout(topk_ids, local_num_experts, expert_map, *, out):
-    layout, counts = carve_layout(out, topk_ids.numel(), local_num_experts)
-    build_contiguous_layout_triton(topk_ids, local_num_experts, expert_map, layout, counts)
-    return layout
-
-
 def test_triton_path_under_interpreter(monkeypatch, kernel_device):
     """TritonExperts with every Triton launcher of the contiguous path (layout, permute, grouped
-    GEMM, un-permute + reduce; interpreted on CPU) on a tiny layer with non-local experts."""
+    GEMM, SiLU-quant, un-permute + reduce; interpreted on CPU) on a tiny layer with non-local
+    experts."""
     p = make_problem(5, 2, 4, 128, 128, local=[0, 2, 3], device=kernel_device, seed=9)
     want = run(new_kernel(), p, 4)
-    monkeypatch.setattr(experts_mod, "grouped_fp8_gemm_contiguous",
-                        lambda a, w, out, m: grouped_fp8_gemm_contiguous_triton(a, w, out, m))
-    monkeypatch.setattr(experts_mod, "permute_rows", permute_rows_triton)
-    monkeypatch.setattr(experts_mod, "build_contiguous_layout", _triton_layout)
-    monkeypatch.setattr(experts_mod, "unpermute_reduce", unpermute_reduce_triton)
+    monkeypatch.setattr(experts_mod, "launchers_for", lambda device: experts_mod.TRITON_LAUNCHERS)
+    monkeypatch.setattr(experts_mod, "grouped_fp8_gemm_contiguous_ref",
+                        grouped_fp8_gemm_contiguous_triton)
     got = run(new_kernel(), p, 4)
     assert calc_diff(got, want) < 1e-3  # bf16 ties flip a few FP8 requantisations
     check_close(got, reference(p))

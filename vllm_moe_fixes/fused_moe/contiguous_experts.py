@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -32,13 +33,21 @@ from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
-from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous
-from vllm_moe_fixes.ops.permute import (
-    build_contiguous_layout,
-    permute_rows,
-    unpermute_reduce,
+from vllm_moe_fixes.ops.grouped_gemm import (
+    grouped_fp8_gemm_contiguous_ref,
+    grouped_fp8_gemm_contiguous_triton,
 )
-from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8
+from vllm_moe_fixes.ops.permute import (
+    ContiguousLayout,
+    build_contiguous_layout_into,
+    build_contiguous_layout_triton,
+    carve_layout,
+    permute_rows_ref,
+    permute_rows_triton,
+    unpermute_reduce_ref,
+    unpermute_reduce_triton,
+)
+from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_triton
 from vllm_moe_fixes.sizes import ALIGNMENT, LAYOUT_INDEX_COLUMNS, contiguous_workspace_shapes
 
 
@@ -56,15 +65,69 @@ def _fp8_with_mn_major_scales(ws: torch.Tensor, rows: int, cols: int):
     return q, s
 
 
-def _index_buffer(ws2: torch.Tensor) -> torch.Tensor:
-    """The int32 view of ws2's last LAYOUT_INDEX_COLUMNS columns (4 int32 per M_sum row)."""
+class _Views(NamedTuple):
+    """The tensors of one apply, as views of the two workspaces."""
+
+    layout: ContiguousLayout
+    counts: torch.Tensor  # int32 [n_chunks * E_l], the layout kernels' scratch
+    a: tuple[torch.Tensor, torch.Tensor]  # A fp8 [M_sum, K], scales [M_sum, K/128] MN-major
+    h: torch.Tensor  # H bf16 [M_sum, 2N]
+    g: tuple[torch.Tensor, torch.Tensor]  # G' fp8 [M_sum, N], scales [M_sum, N/128] MN-major
+    y: torch.Tensor  # Y bf16 [M_sum, K]
+
+
+def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int, K: int,
+                N: int) -> _Views:
     m_sum = ws2.shape[0]
-    n = m_sum * LAYOUT_INDEX_COLUMNS
-    return ws2.view(-1)[ws2.numel() - n:].view(torch.int32)
+    index_numel = m_sum * LAYOUT_INDEX_COLUMNS  # bf16 elements = 2x as many int32
+    flat2 = ws2.view(-1)
+    layout, counts = carve_layout(flat2[flat2.numel() - index_numel:].view(torch.int32),
+                                  num_slots, E_l)
+    return _Views(layout=layout, counts=counts, a=_fp8_with_mn_major_scales(ws13, m_sum, K),
+                  h=flat2[:m_sum * 2 * N].view(m_sum, 2 * N),
+                  g=_fp8_with_mn_major_scales(ws13, m_sum, N), y=flat2[:m_sum * K].view(m_sum, K))
+
+
+def _views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int, K: int,
+           N: int) -> _Views:
+    """_make_views, cached in a dict attached to ws2 itself: the modular kernel hands the same
+    workspace view objects to every call of a shape, and the cached views live exactly as long
+    as it keeps those (so they never outlive a workspace that grew)."""
+    cache = ws2.__dict__.setdefault("_contiguous_views", {})
+    key = (ws13.data_ptr(), ws2.data_ptr(), num_slots, E_l, K, N)
+    views = cache.get(key)
+    if views is None:
+        views = cache[key] = _make_views(ws13, ws2, num_slots, E_l, K, N)
+    return views
+
+
+class _Launchers(NamedTuple):
+    """The four non-GEMM steps on validated arguments: Triton on CUDA, torch on CPU."""
+
+    layout: Callable  # (topk_ids, E_l, expert_map, layout, counts)
+    permute: Callable  # (a1q, a1q_scale, layout, out_q, out_s)
+    silu_quant: Callable  # (h, out_q, out_s)
+    reduce: Callable  # (y, dest, topk_weights, out)
+
+
+TRITON_LAUNCHERS = _Launchers(
+    build_contiguous_layout_triton, permute_rows_triton,
+    lambda h, q, s: silu_and_mul_quant_fp8_triton(h, q, s, None, False), unpermute_reduce_triton)
+TORCH_LAUNCHERS = _Launchers(
+    build_contiguous_layout_into, permute_rows_ref,
+    lambda h, q, s: silu_and_mul_quant_fp8(h, out_q=q, out_s=s), unpermute_reduce_ref)
+
+
+def launchers_for(device: torch.device) -> _Launchers:
+    return TRITON_LAUNCHERS if device.type == "cuda" else TORCH_LAUNCHERS
 
 
 class ContiguousExperts(Experts):
-    """Shared body of TritonExperts and DeepGemmExperts; subclasses provide `gemm`."""
+    """Shared body of TritonExperts and DeepGemmExperts; subclasses provide `gemm`.
+
+    apply trusts its arguments (the modular kernel validates them at its edge) and launches the
+    kernels directly, without the public ops' checks: host time counts at small M.
+    """
 
     activation_format = ActivationFormat.STANDARD
     reduces_output = True
@@ -83,24 +146,25 @@ class ContiguousExperts(Experts):
         """output bf16 [M, K] (written: the weighted sum of each token's k expert rows; slots
         with no local expert add 0); topk_weights float32 [M, k] or None (plain sum)."""
         E_l, K, N = w2.shape
-        layout = build_contiguous_layout(topk_ids, E_l, expert_map, out=_index_buffer(workspace2))
-        m_sum = layout.m_indices.shape[0]
-        a_q, a_s = _fp8_with_mn_major_scales(workspace13, m_sum, K)
-        permute_rows(a1q, a1q_scale, layout, a_q, a_s)
-        h = workspace2.view(-1)[:m_sum * 2 * N].view(m_sum, 2 * N)
-        self.gemm((a_q, a_s), (w1, w1_scale), h, layout.m_indices)
-        g_q, g_s = _fp8_with_mn_major_scales(workspace13, m_sum, N)
-        silu_and_mul_quant_fp8(h, out_q=g_q, out_s=g_s)
-        y = workspace2.view(-1)[:m_sum * K].view(m_sum, K)
-        self.gemm((g_q, g_s), (w2, w2_scale), y, layout.m_indices)
-        unpermute_reduce(y, layout.dest, topk_weights, output)
+        run = launchers_for(a1q.device)
+        v = _views(workspace13, workspace2, topk_ids.numel(), E_l, K, N)
+        m_indices = v.layout.m_indices
+        run.layout(topk_ids, E_l, expert_map, v.layout, v.counts)
+        run.permute(a1q, a1q_scale, v.layout, *v.a)
+        self.gemm(v.a, (w1, w1_scale), v.h, m_indices)
+        run.silu_quant(v.h, *v.g)
+        self.gemm(v.g, (w2, w2_scale), v.y, m_indices)
+        run.reduce(v.y, v.layout.dest, topk_weights, output)
 
 
 class TritonExperts(ContiguousExperts):
-    """Experts on `ops.grouped_fp8_gemm_contiguous` (Triton on CUDA, torch reference on CPU)."""
+    """Experts on the Triton grouped GEMM of `ops.grouped_fp8_gemm_contiguous` (its torch
+    reference on CPU)."""
 
     def gemm(self, a, w, out, m_indices) -> None:
-        grouped_fp8_gemm_contiguous(a, w, out, m_indices)
+        gemm = grouped_fp8_gemm_contiguous_triton if out.is_cuda else \
+            grouped_fp8_gemm_contiguous_ref
+        gemm(a, w, out, m_indices)
 
 
 class DeepGemmExperts(ContiguousExperts):

@@ -171,15 +171,23 @@ class Experts(ABC):
 
 
 class Workspaces:
-    """Two grow-only bf16 buffers (per device), shareable by the kernels of several layers."""
+    """Two grow-only bf16 buffers (per device), shareable by the kernels of several layers.
+
+    `get` returns the same view objects for the same request (at most _MAX_VIEWS requests are
+    remembered) until a buffer grows, so the experts may cache their own views on them.
+    """
+
+    _MAX_VIEWS = 64
 
     def __init__(self) -> None:
         self.ws13: torch.Tensor | None = None
         self.ws2: torch.Tensor | None = None
+        self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _get(self, name: str, numel: int, device: torch.device, dtype: torch.dtype):
         buf = getattr(self, name)
         if buf is None or buf.numel() < numel or buf.device != device or buf.dtype != dtype:
+            self._views.clear()  # drop every view of the old buffer with it
             setattr(self, name, None)  # free the old buffer before allocating the larger one
             buf = torch.empty(numel, dtype=dtype, device=device)
             setattr(self, name, buf)
@@ -187,10 +195,17 @@ class Workspaces:
 
     def get(self, ws13_shape, ws2_shape, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the requested shapes, growing a buffer when it is too small."""
+        key = (ws13_shape, ws2_shape, device, dtype)
+        views = self._views.get(key)
+        if views is not None:
+            return views
         n13, n2 = math.prod(ws13_shape), math.prod(ws2_shape)
-        ws13 = self._get("ws13", n13, device, dtype)[:n13].view(ws13_shape)
-        ws2 = self._get("ws2", n2, device, dtype)[:n2].view(ws2_shape)
-        return ws13, ws2
+        buf13 = self._get("ws13", n13, device, dtype)
+        buf2 = self._get("ws2", n2, device, dtype)
+        if len(self._views) >= self._MAX_VIEWS:
+            self._views.clear()
+        views = self._views[key] = (buf13[:n13].view(ws13_shape), buf2[:n2].view(ws2_shape))
+        return views
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

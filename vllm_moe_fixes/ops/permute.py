@@ -257,6 +257,21 @@ def check_routing_ranges(topk_ids: torch.Tensor, num_experts: int,
                      f"this rank); expert_map[{i}] = {int(expert_map[i])}")
 
 
+def build_contiguous_layout_into(topk_ids: torch.Tensor, local_num_experts: int,
+                                 expert_map: torch.Tensor | None, layout: ContiguousLayout,
+                                 counts: torch.Tensor) -> None:
+    """Fill `layout` (views from `carve_layout`) on validated arguments: the two kernels on CUDA,
+    the reference (after its range check) on CPU."""
+    if topk_ids.is_cuda:
+        build_contiguous_layout_triton(topk_ids, local_num_experts, expert_map, layout, counts)
+        return
+    E = local_num_experts if expert_map is None else expert_map.shape[0]
+    check_routing_ranges(topk_ids, E, expert_map, local_num_experts)
+    ref = build_contiguous_layout_ref(topk_ids, local_num_experts, expert_map)
+    for name in ("m_indices", "src_row", "dest"):
+        getattr(layout, name).copy_(getattr(ref, name))
+
+
 def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int,
                             expert_map: torch.Tensor | None = None, *,
                             out: torch.Tensor | None = None) -> ContiguousLayout:
@@ -293,14 +308,7 @@ def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int,
            and out.numel() >= need and out.device == topk_ids.device and out.is_contiguous(),
            f"out must be a contiguous int32 vector of >= {need} elements on {topk_ids.device}")
     layout, counts = carve_layout(out, num_slots, local_num_experts)
-    if topk_ids.is_cuda:
-        build_contiguous_layout_triton(topk_ids, local_num_experts, expert_map, layout, counts)
-        return layout
-    E = local_num_experts if expert_map is None else expert_map.shape[0]
-    check_routing_ranges(topk_ids, E, expert_map, local_num_experts)
-    ref = build_contiguous_layout_ref(topk_ids, local_num_experts, expert_map)
-    for name in ("m_indices", "src_row", "dest"):
-        getattr(layout, name).copy_(getattr(ref, name))
+    build_contiguous_layout_into(topk_ids, local_num_experts, expert_map, layout, counts)
     return layout
 
 
