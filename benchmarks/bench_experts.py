@@ -1,156 +1,230 @@
-"""The whole MoE layer (NoEP + TritonExperts / DeepGemmExperts) against a naive version.
+"""The whole MoE layer (NoEP + TritonExperts / DeepGemmExperts) and the batched experts.
 
 Run from the repository root on a GPU:
 
-    python benchmarks/bench_experts.py                 # table + benchmarks/results/experts.json
-    python benchmarks/bench_experts.py --m 128 512     # a subset of token counts
-    python benchmarks/bench_experts.py --skip-layer    # only the permute (gather) table
+    python -m benchmarks.bench_experts               # all tables -> benchmarks/results/experts.json
+    python -m benchmarks.bench_experts --m 128 1024     # a subset of token counts
+    python -m benchmarks.bench_experts --skip-chunks --skip-batched
 
 DeepSeek-V3 shapes on one rank: K=7168, I=2048, E_l=8 local experts, top-8 routing spread over
-them. For each M: the median time (triton.testing.do_bench), useful TFLOP/s (2 * M * k * 3 * I * K
-/ time), and peak memory above the inputs and weights for
+them. Columns of the layer table, per backend and M:
 
-  modular: FusedMoEModularKernel, first call on a fresh kernel (workspaces allocated inside it);
-           "expected" = declared workspaces (ws13 + ws2) + output [M, K] bf16 + prepare's a1q
-           [M, K] fp8 + a1q_scale [M, K/128] f32; the ratio peak / expected should be 1.00-1.05.
-  naive:   the same ops, but every intermediate a new tensor (permuted input, GEMM1 out, SiLU out,
-           requantised input, GEMM2 out, un-permuted rows, weighted rows, sum).
-The two outputs are compared (calc_diff) so the naive version is a correct baseline.
-Columns for the modular layer: `us` eager (do_bench), `graph_us` per call under CUDA-graph replay
-(how engines run decode: host time drops out), `host_us` host time per eager call (when it exceeds
-graph_us the eager number measures the host, not the GPU).
+  loop_us     per call in a launch loop: wall time of many back-to-back calls with one
+              synchronisation at the end, divided by the calls (what a caller pays per call)
+  us          triton.testing.do_bench median (GPU time; the L2 is flushed between calls)
+  gemms_us    the two grouped GEMM calls alone on the same layout and workspaces (do_bench)
+  overhead    (us - gemms_us) / gemms_us: what the layer costs beyond its GEMMs
+  kernels     CUDA kernels per call (torch.profiler)
+  host_us     host time per eager call (launch loop without synchronisation, best of 5)
+  graph_us    per call under CUDA-graph replay; graph_gemms_us: the two GEMMs alone, replayed
+  peak_MiB    peak memory of a first call on a fresh kernel beyond inputs and weights;
+              expected_MiB = sizes.layer_declared_bytes (workspaces + output + prepare's a1q)
+  anchor_us   the anchor, an unfused torch path on the same GEMMs (stable-sort layout, torch
+              gathers, silu_and_mul then the quant, a [M, k, K] gather and moe_sum), and
+              diff = calc_diff(layer, anchor)
 
-First, a table of `permute_rows` alone at the layer's M_sum rows: the torch reference
-(index_select + masked_fill + index_select) against the Triton gather for a few tiles
-(rows x bytes per program, warps); GB/s counts the bytes written plus the used rows read.
+Chunk-size sweep (M = 32768): time per token and peak memory of a fresh kernel per
+VLLM_FUSED_MOE_CHUNK_SIZE, to choose the default.
+
+Batched experts (decode at world size 1: 32 local experts, top-8, capacity T = 128 rows per
+expert): experts.apply at 1/32/128 tokens with BatchedTritonExperts / BatchedDeepGemmExperts
+(the latter gets expected_m = 128 * 1 * 8 / 32 = 32, as the modular kernel passes it).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
+import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks._common import bench_us, graph_us, host_us, print_table, write_json  # noqa: E402
-from vllm_moe_fixes._compat import deep_gemm as dg  # noqa: E402
-from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts  # noqa: E402
-from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel  # noqa: E402
-from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize  # noqa: E402
-from vllm_moe_fixes.fused_moe.routing import fused_topk, quant_block_fp8  # noqa: E402
-from vllm_moe_fixes.ops.activation import silu_and_mul  # noqa: E402
-from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8  # noqa: E402
-from vllm_moe_fixes.ops.moe_sum import moe_sum  # noqa: E402
-from vllm_moe_fixes.ops.permute import (  # noqa: E402
-    build_contiguous_layout,
-    permute_rows_ref,
-    permute_rows_triton,
+from benchmarks._common import bench_us, graph_us, host_us, print_table, write_json
+from vllm_moe_fixes._compat import deep_gemm as dg
+from vllm_moe_fixes._memory import peak_memory
+from vllm_moe_fixes.fused_moe.batched_experts import (
+    BatchedDeepGemmExperts,
+    BatchedTritonExperts,
+    quant_batched_fp8,
 )
-from vllm_moe_fixes.ops.reference import calc_diff  # noqa: E402
-from vllm_moe_fixes.sizes import layer_declared_bytes  # noqa: E402
+from vllm_moe_fixes.fused_moe.contiguous_experts import (
+    DeepGemmExperts,
+    TritonExperts,
+    workspace_views,
+)
+from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
+from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.fused_moe.routing import fused_topk, quant_block_fp8
+from vllm_moe_fixes.ops.activation import silu_and_mul
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.ops.moe_sum import moe_sum
+from vllm_moe_fixes.ops.permute import build_contiguous_layout_ref
+from vllm_moe_fixes.ops.reference import calc_diff
+from vllm_moe_fixes.sizes import expected_rows_per_expert, layer_declared_bytes
 
 K, I, E_L, TOPK = 7168, 2048, 8, 8
+BATCHED_E, BATCHED_T = 32, 128
+CHUNK_SIZES = (2048, 4096, 8192, 16384, 32768)
+CHUNK_SWEEP_M = 32768
 FP8 = torch.float8_e4m3fn
 
 
-def naive_layer(x, w1, w2, w1s, w2s, weights, ids, gemm):
-    """Same arithmetic as the modular kernel, every intermediate freshly allocated."""
+def loop_us(fn, calls: int) -> float:
+    """Per-call wall time of `calls` back-to-back calls and one synchronisation (best of 3)."""
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def kernels_per_call(fn, calls: int = 3) -> float:
+    """CUDA kernels (memsets and copies included) per call of fn, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels) / calls
+
+
+def make_weights(num_experts: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w1, w1s = quant_block_fp8(torch.randn(num_experts, 2 * I, K, device="cuda", generator=g)
+                              / K ** 0.5)
+    w2, w2s = quant_block_fp8(torch.randn(num_experts, K, I, device="cuda", generator=g)
+                              / I ** 0.5)
+    return w1, w1s, w2, w2s
+
+
+def make_inputs(M: int, num_experts: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    weights, ids = fused_topk(torch.randn(M, num_experts, device="cuda", generator=g), TOPK, True)
+    return x, weights, ids
+
+
+def anchor_layer(x, w, weights, ids, gemm):
+    """The unfused torch path on the same GEMMs: every intermediate a new tensor."""
+    w1, w1s, w2, w2s = w
     M, k = ids.shape
     a_q, a_s = per_token_group_quant_fp8(x, 128)
-    lay = build_contiguous_layout(ids, w1.shape[0])
-    valid = (lay.m_indices >= 0).unsqueeze(1).to(torch.uint8)
-    a_p = (a_q.view(torch.uint8)[lay.src_token] * valid).view(FP8)
-    a_ps = a_s[lay.src_token].t().contiguous().t()  # MN-major copy
+    lay = build_contiguous_layout_ref(ids, w1.shape[0], None)
+    src = lay.src_row.long().clamp(min=0)
+    used = (lay.src_row >= 0).unsqueeze(1)
+    a_p = (a_q.view(torch.uint8)[src] * used.to(torch.uint8)).view(FP8)
+    a_ps = (a_s[src] * used).t().contiguous().t()  # MN-major copy
+    m_idx = lay.m_indices
     h = torch.empty(a_p.shape[0], w1.shape[1], dtype=torch.bfloat16, device=x.device)
-    gemm((a_p, a_ps), (w1, w1s), h, lay.m_indices)
+    gemm((a_p, a_ps), (w1, w1s), h, m_idx)
     g_q, g_s = per_token_group_quant_fp8(silu_and_mul(h), 128, column_major_scales=True,
                                          tma_aligned_scales=True)
     y = torch.empty(a_p.shape[0], K, dtype=torch.bfloat16, device=x.device)
-    gemm((g_q, g_s), (w2, w2s), y, lay.m_indices)
-    rows = y[lay.dest].view(M, k, K)
-    return moe_sum(rows * weights.unsqueeze(-1).to(rows.dtype))
+    gemm((g_q, g_s), (w2, w2s), y, m_idx)
+    rows = torch.where((lay.dest >= 0).unsqueeze(1), y[lay.dest.long().clamp(min=0)], 0)
+    return moe_sum(rows.view(M, k, K), topk_weights=weights)
 
 
-def peak_bytes(fn) -> tuple[int, torch.Tensor]:
-    """Peak allocated bytes above what was allocated before fn() (and fn's result)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base, out
-
-
-def bench_backend(name, make_experts, gemm, w, m_values):
+def gemms_alone(kernel, experts, w, M):
+    """The two grouped GEMM calls of one layer call, on the layout the last call left in the
+    kernel's workspaces."""
     w1, w1s, w2, w2s = w
+    ws13, ws2, _ = experts.workspace_shapes(M, I, K, TOPK, E_L)
+    v = workspace_views(*kernel.workspaces.get(ws13, ws2, torch.device("cuda"), torch.bfloat16),
+               M * TOPK, E_L, K, I)
+
+    def run():
+        experts.gemm(v.a, (w1, w1s), v.h, v.layout.m_indices)
+        experts.gemm(v.g, (w2, w2s), v.y, v.layout.m_indices)
+    return run
+
+
+def bench_layer(name, make_experts, w, m_values):
     rows = []
     for M in m_values:
-        g = torch.Generator(device="cuda").manual_seed(M)
-        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-        weights, ids = fused_topk(torch.randn(M, E_L, device="cuda", generator=g), TOPK, True)
+        x, weights, ids = make_inputs(M, E_L, seed=M)
         experts = make_experts()
-        kw = dict(w1_scale=w1s, w2_scale=w2s, global_num_experts=E_L)
-
-        def modular(kernel):
-            return kernel(x, w1, w2, weights, ids, **kw)
-
-        modular(FusedMoEModularKernel(NoEPPrepareAndFinalize(), experts))  # compile / JIT
-        naive_layer(x, w1, w2, w1s, w2s, weights, ids, gemm)
+        kw = dict(w1_scale=w[1], w2_scale=w[3], global_num_experts=E_L)
         kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), experts)
-        peak_mod, out_mod = peak_bytes(lambda: modular(kernel))
-        peak_naive, out_naive = peak_bytes(lambda: naive_layer(x, w1, w2, w1s, w2s, weights, ids,
-                                                               gemm))
-        ws13, ws2, _ = experts.workspace_shapes(M, I, K, TOPK, E_L)
-        declared = 2 * (ws13[0] * ws13[1] + ws2[0] * ws2[1])
-        expected = layer_declared_bytes(M, I, K, TOPK, E_L)
-        us_mod = bench_us(lambda: modular(kernel), [()])
-        us_naive = bench_us(lambda: naive_layer(x, w1, w2, w1s, w2s, weights, ids, gemm), [()])
-        us_graph = graph_us(lambda: modular(kernel), [()], calls=max(1, 2048 // M))
-        us_host = host_us(lambda: modular(kernel), [()], calls=50 if M <= 512 else 10)
-        flop = 2 * M * TOPK * 3 * I * K
-        rows.append(dict(backend=name, M=M, us=us_mod, graph_us=us_graph, host_us=us_host,
-                         naive_us=us_naive,
-                         tflops=flop / us_mod / 1e6, naive_tflops=flop / us_naive / 1e6,
-                         peak_MiB=peak_mod / 2**20, expected_MiB=expected / 2**20,
-                         declared_ws_MiB=declared / 2**20, peak_over_expected=peak_mod / expected,
-                         naive_peak_MiB=peak_naive / 2**20,
-                         saved_MiB=(peak_naive - peak_mod) / 2**20,
-                         diff_vs_naive=calc_diff(out_mod, out_naive)))
-        print_table(rows[-1:], list(rows[-1]))
+        layer = lambda: kernel(x, w[0], w[2], weights, ids, **kw)  # noqa: E731
+        with peak_memory() as peak:
+            out = layer()
+        anchor = lambda: anchor_layer(x, w, weights, ids, experts.gemm)  # noqa: E731
+        diff = calc_diff(out, anchor())
+        gemms = gemms_alone(kernel, experts, w, M)
+        calls = max(10, 20000 // M)
+        row = dict(backend=name, M=M, loop_us=loop_us(layer, calls), us=bench_us(layer, [()]),
+                   gemms_us=bench_us(gemms, [()]))
+        row["overhead"] = (row["us"] - row["gemms_us"]) / row["gemms_us"]
+        row.update(kernels=kernels_per_call(layer), host_us=host_us(layer, [()], calls=calls),
+                   graph_us=graph_us(layer, [()], calls=max(1, 1024 // M)),
+                   graph_gemms_us=graph_us(gemms, [()], calls=max(1, 1024 // M)),
+                   peak_MiB=peak.bytes / 2**20,
+                   expected_MiB=layer_declared_bytes(M, I, K, TOPK, E_L) / 2**20,
+                   anchor_us=bench_us(anchor, [()]), diff=diff)
+        rows.append(row)
+        print_table(rows[-1:], list(row))
     return rows
 
 
-PERMUTE_TILES = [(8, 1024, 4), (4, 2048, 4), (16, 1024, 8), (2, 4096, 8), (1, 8192, 8)]
-
-
-def bench_permute(m_values):
-    """permute_rows at the layer's shapes: torch reference vs the Triton gather per tile."""
+def bench_chunk_sizes(name, make_experts, w):
+    """Time per token and peak memory at M = CHUNK_SWEEP_M for each chunk size."""
     rows = []
-    for M in m_values:
-        g = torch.Generator(device="cuda").manual_seed(M)
-        a_q, a_s = per_token_group_quant_fp8(torch.randn(M, K, device="cuda", generator=g), 128)
-        _, ids = fused_topk(torch.randn(M, E_L, device="cuda", generator=g), TOPK, True)
-        lay = build_contiguous_layout(ids, E_L)
-        m_sum = lay.m_indices.numel()
-        out_q = torch.empty(m_sum, K, dtype=FP8, device="cuda")
-        out_s = torch.empty(K // 128, m_sum, device="cuda").t()
-        nbytes = m_sum * K + M * TOPK * K + 2 * m_sum * (K // 128) * 4
-        ref_us = bench_us(lambda: permute_rows_ref(a_q, a_s, lay, out_q, out_s), [()])
-        row = dict(M=M, M_sum=m_sum, ref_us=ref_us, ref_GBps=nbytes / ref_us / 1e3)
-        want = out_q.view(torch.uint8).clone()
-        for r, kb, w in PERMUTE_TILES:
-            out_q.view(torch.uint8).fill_(0x7F)
-            launch = lambda: permute_rows_triton(a_q, a_s, lay, out_q, out_s,  # noqa: E731
-                                                 block_rows=r, block_k=kb, num_warps=w)
-            launch()
-            assert torch.equal(out_q.view(torch.uint8), want), (r, kb, w)
-            us = bench_us(launch, [()])
-            row[f"us[{r}x{kb}w{w}]"] = us
-            row[f"GBps[{r}x{kb}w{w}]"] = nbytes / us / 1e3
+    x, weights, ids = make_inputs(CHUNK_SWEEP_M, E_L, seed=1)
+    kw = dict(w1_scale=w[1], w2_scale=w[3], global_num_experts=E_L)
+    saved = os.environ.get("VLLM_FUSED_MOE_CHUNK_SIZE")
+    try:
+        for chunk in CHUNK_SIZES:
+            os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"] = str(chunk)
+            kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), make_experts())
+            layer = lambda: kernel(x, w[0], w[2], weights, ids, **kw)  # noqa: E731
+            torch.cuda.empty_cache()
+            with peak_memory() as peak:
+                layer()
+            us = bench_us(layer, [()], warmup=5, rep=200)
+            rows.append(dict(backend=name, M=CHUNK_SWEEP_M, chunk=chunk, us=us,
+                             ns_per_token=us * 1e3 / CHUNK_SWEEP_M, peak_MiB=peak.bytes / 2**20))
+            print_table(rows[-1:], list(rows[-1]))
+            del kernel
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_FUSED_MOE_CHUNK_SIZE", None)
+        else:
+            os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"] = saved
+    return rows
+
+
+def bench_batched(name, make_experts, w, token_counts):
+    """experts.apply on a [32, 128, K] batched layout filled as a low-latency dispatch of
+    `tokens` top-8 tokens at world size 1 would fill it."""
+    rows = []
+    experts = make_experts()
+    ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(BATCHED_T, I, K, TOPK, BATCHED_E)
+    ws13 = torch.empty(ws13_shape, dtype=torch.bfloat16, device="cuda")
+    ws2 = torch.empty(ws2_shape, dtype=torch.bfloat16, device="cuda")
+    out = ws13.view(-1)[:torch.Size(out_shape).numel()].view(out_shape)
+    expected_m = expected_rows_per_expert(BATCHED_T, 1, TOPK, BATCHED_E, BATCHED_T)
+    for tokens in token_counts:
+        _, _, ids = make_inputs(tokens, BATCHED_E, seed=tokens)
+        counts = torch.bincount(ids.view(-1), minlength=BATCHED_E).int()
+        g = torch.Generator(device="cuda").manual_seed(tokens)
+        a1q, a1s = quant_batched_fp8(torch.randn(BATCHED_E, BATCHED_T, K, device="cuda",
+                                                 generator=g).bfloat16())
+
+        def apply():
+            experts.apply(out, a1q, a1s, w[0], w[2], w[1], w[3], None, None, "silu", ws13, ws2,
+                          counts, expected_m=expected_m)
+        row = dict(backend=name, tokens=tokens, max_rows=int(counts.max()), expected_m=expected_m,
+                   loop_us=loop_us(apply, 200), us=bench_us(apply, [()]),
+                   graph_us=graph_us(apply, [()], calls=8), host_us=host_us(apply, [()]),
+                   kernels=kernels_per_call(apply))
         rows.append(row)
         print_table(rows[-1:], list(row))
     return rows
@@ -158,27 +232,34 @@ def bench_permute(m_values):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--m", type=int, nargs="+", default=[128, 512, 2048, 8192])
-    parser.add_argument("--skip-layer", action="store_true", help="only the permute table")
+    parser.add_argument("--m", type=int, nargs="+", default=[128, 1024, 8192])
+    parser.add_argument("--batched-tokens", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--skip-chunks", action="store_true", help="no chunk-size sweep")
+    parser.add_argument("--skip-batched", action="store_true", help="no batched-experts table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_experts.py needs a CUDA GPU")
-    permute = bench_permute(args.m)
-    write_json("permute", dict(shape=dict(K=K, E_local=E_L, topk=TOPK), results=permute))
-    if args.skip_layer:
-        return
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w1, w1s = quant_block_fp8(torch.randn(E_L, 2 * I, K, device="cuda", generator=g) / K ** 0.5)
-    w2, w2s = quant_block_fp8(torch.randn(E_L, K, I, device="cuda", generator=g) / I ** 0.5)
-    w = (w1, w1s, w2, w2s)
-    results = bench_backend("triton", TritonExperts, TritonExperts().gemm, w, args.m)
+        raise SystemExit("bench_experts needs a CUDA GPU")
+    backends = [("triton", TritonExperts, BatchedTritonExperts)]
     if dg.is_available():
-        results += bench_backend("deep_gemm", DeepGemmExperts, dg.m_grouped_fp8_gemm_nt_contiguous,
-                                 w, args.m)
-    print()
-    print_table(results, list(results[0]))
-    write_json("experts", dict(shape=dict(K=K, I=I, E_local=E_L, topk=TOPK),
-                               deep_gemm=dg.is_available(), results=results))
+        backends.append(("deep_gemm", DeepGemmExperts, BatchedDeepGemmExperts))
+    w = make_weights(E_L)
+    layer = [r for name, cls, _ in backends for r in bench_layer(name, cls, w, args.m)]
+    chunks = [] if args.skip_chunks else \
+        [r for name, cls, _ in backends for r in bench_chunk_sizes(name, cls, w)]
+    del w
+    batched = []
+    if not args.skip_batched:
+        wb = make_weights(BATCHED_E, seed=1)
+        batched = [r for name, _, cls in backends
+                   for r in bench_batched(name, cls, wb, args.batched_tokens)]
+    for title, rows in (("layer", layer), ("chunk sizes", chunks), ("batched experts", batched)):
+        if rows:
+            print(f"\n{title}")
+            print_table(rows, list(rows[0]))
+    write_json("experts", dict(shape=dict(K=K, I=I, E_local=E_L, topk=TOPK,
+                                          batched_experts=BATCHED_E, batched_T=BATCHED_T),
+                               deep_gemm=dg.is_available(), layer=layer, chunk_sizes=chunks,
+                               batched=batched))
 
 
 if __name__ == "__main__":

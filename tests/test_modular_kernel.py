@@ -233,8 +233,9 @@ def test_batched_experts_through_the_kernel_get_expected_m(monkeypatch):
     seen = []
     masked = lambda a, b, d, m, expected_m, **kw: (  # noqa: E731
         seen.append(expected_m), grouped_fp8_gemm_masked_ref(a, b, d, m))
-    monkeypatch.setattr(compat, "_API", compat.resolve(types.SimpleNamespace(
-        m_grouped_fp8_gemm_nt_contiguous=lambda *a, **kw: None, m_grouped_fp8_gemm_nt_masked=masked)))
+    fake = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=lambda *a, **kw: None,
+                                 m_grouped_fp8_gemm_nt_masked=masked)
+    monkeypatch.setattr(compat, "_API", compat.resolve(fake))
     out_dg = run(FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(cap),
                                        BatchedDeepGemmExperts()), p, E)
     assert torch.equal(out_dg, out)
@@ -550,7 +551,8 @@ def test_compat_resolve_names():
         pass
 
     class PybindLike:  # no signature, keyword visible only in the docstring
-        __doc__ = "m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, disable_ue8m0_cast: bool = False)"
+        __doc__ = ("m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, "
+                   "disable_ue8m0_cast: bool = False)")
 
         def __call__(self, *a, **k):
             pass
@@ -582,7 +584,8 @@ def test_compat_without_deep_gemm(monkeypatch):
     assert not compat.is_available()
     for call in (compat.require, DeepGemmExperts,
                  lambda: compat.m_grouped_fp8_gemm_nt_contiguous(None, None, None, None)):
-        with pytest.raises(RuntimeError, match="VLLM_USE_DEEP_GEMM.*DeepGEMM|DeepGEMM.*VLLM_USE_DEEP_GEMM"):
+        with pytest.raises(RuntimeError,
+                           match="VLLM_USE_DEEP_GEMM.*DeepGEMM|DeepGEMM.*VLLM_USE_DEEP_GEMM"):
             call()
 
 

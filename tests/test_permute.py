@@ -164,7 +164,8 @@ def test_build_contiguous_layout_bad_arguments():
         ("topk_ids", lambda: build_contiguous_layout(ids.view(-1), 8)),
         ("local_num_experts", lambda: build_contiguous_layout(ids, 0)),
         ("expert_map", lambda: build_contiguous_layout(ids, 8, torch.arange(8))),
-        ("out must be", lambda: build_contiguous_layout(ids, 8, out=torch.empty(3, dtype=torch.int32))),
+        ("out must be", lambda: build_contiguous_layout(
+            ids, 8, out=torch.empty(3, dtype=torch.int32))),
         (r"topk_ids\[2, 1\] = 8", lambda: build_contiguous_layout(
             torch.tensor([[0, 1], [2, 3], [4, 8]]), 8)),
         (r"topk_ids\[0, 0\] = -2", lambda: build_contiguous_layout(torch.tensor([[-2]]), 8)),
@@ -278,7 +279,7 @@ def test_permute_rows_bad_arguments():
             permute_rows(**dict(ok, **change))
 
 
-# --- un-permute + weighted top-k sum ---------------------------------------------------------------
+# --- un-permute + weighted top-k sum -------------------------------------------------------------
 
 def _reduce_inputs(M, k, K, E_l, seed, device, nonlocal_ids=True):
     """GEMM2-like rows y [M_sum, K] (NaN on padding and on no row that any slot reads), a real

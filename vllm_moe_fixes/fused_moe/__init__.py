@@ -9,7 +9,11 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
 )
-from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts, select_experts
+from vllm_moe_fixes.fused_moe.contiguous_experts import (
+    DeepGemmExperts,
+    TritonExperts,
+    select_experts,
+)
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,

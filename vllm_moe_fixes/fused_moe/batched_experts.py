@@ -102,7 +102,8 @@ class BatchedDeepGemmExperts(BatchedExperts):
 
     expected_m (DeepGEMM's tiling hint) is what the modular kernel passes: the average rows per
     expert at full dispatch capacity (vllm_moe_fixes.sizes.expected_rows_per_expert), computed on
-    the host without reading a count. Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and DeepGEMM) when DeepGEMM is not usable.
+    the host without reading a count. Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and
+    DeepGEMM) when DeepGEMM is not usable.
     """
 
     def __init__(self) -> None:

@@ -88,8 +88,8 @@ def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int,
                   g=_fp8_with_mn_major_scales(ws13, m_sum, N), y=flat2[:m_sum * K].view(m_sum, K))
 
 
-def _views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int, K: int,
-           N: int) -> _Views:
+def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int, K: int,
+                    N: int) -> _Views:
     """_make_views, cached in a dict attached to ws2 itself: the modular kernel hands the same
     workspace view objects to every call of a shape, and the cached views live exactly as long
     as it keeps those (so they never outlive a workspace that grew)."""
@@ -147,7 +147,7 @@ class ContiguousExperts(Experts):
         with no local expert add 0); topk_weights float32 [M, k] or None (plain sum)."""
         E_l, K, N = w2.shape
         run = launchers_for(a1q.device)
-        v = _views(workspace13, workspace2, topk_ids.numel(), E_l, K, N)
+        v = workspace_views(workspace13, workspace2, topk_ids.numel(), E_l, K, N)
         m_indices = v.layout.m_indices
         run.layout(topk_ids, E_l, expert_map, v.layout, v.counts)
         run.permute(a1q, a1q_scale, v.layout, *v.a)

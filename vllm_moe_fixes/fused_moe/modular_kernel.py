@@ -230,11 +230,13 @@ class FusedMoEModularKernel:
             raise ValueError(f"experts must be an Experts, got {type(experts).__name__}")
         if prepare_finalize.activation_format != experts.activation_format:
             raise ValueError(
-                f"{type(prepare_finalize).__name__} produces the {prepare_finalize.activation_format.value} "
+                f"{type(prepare_finalize).__name__} produces the "
+                f"{prepare_finalize.activation_format.value} "
                 f"activation format but {type(experts).__name__} takes "
                 f"{experts.activation_format.value}; pair standard with standard "
-                "(NoEP / DeepEP high-throughput + TritonExperts / DeepGemmExperts) and batched with "
-                "batched (DeepEP low-latency + BatchedTritonExperts / BatchedDeepGemmExperts)")
+                "(NoEP / DeepEP high-throughput + TritonExperts / DeepGemmExperts) and batched "
+                "with batched (DeepEP low-latency + BatchedTritonExperts / "
+                "BatchedDeepGemmExperts)")
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.workspaces = workspaces if workspaces is not None else Workspaces()
@@ -334,7 +336,8 @@ class FusedMoEModularKernel:
     def _validate(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
                   expert_map, activation, apply_router_weight_on_input,
                   max_tokens_across_ranks) -> None:
-        for name, t in (("hidden_states", x), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights),
+        for name, t in (("hidden_states", x), ("w1", w1), ("w2", w2),
+                        ("topk_weights", topk_weights),
                         ("topk_ids", topk_ids), ("w1_scale", w1_scale), ("w2_scale", w2_scale)):
             _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t)}")
         _check(activation == "silu", f"activation must be 'silu', got {activation!r}")
@@ -382,7 +385,8 @@ class FusedMoEModularKernel:
         if expert_map is not None:
             tensors.append(expert_map)
         devices = {t.device for t in tensors}
-        _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+        _check(len(devices) == 1,
+               f"all tensors must be on one device, got {sorted(map(str, devices))}")
         _check(max_tokens_across_ranks is None or (
             isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M),
             f"max_tokens_across_ranks must be None or an int >= M={M}, got "

@@ -153,7 +153,8 @@ def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, des
         # The padding closing each segment: rows [start + total, start + padded) of the experts
         # this program owns (e % n_chunks == c).
         rows = (start + total)[:, None] + pad[None, :]
-        mine = ((e % n_chunks == c) & (e < E_l))[:, None] & (pad[None, :] < (padded - total)[:, None])
+        owned = (e % n_chunks == c) & (e < E_l)
+        mine = owned[:, None] & (pad[None, :] < (padded - total)[:, None])
         tl.store(m_idx_ptr + rows, tl.full([BLOCK_E, _ALIGN], -1, tl.int32), mask=mine)
         tl.store(src_ptr + rows, tl.full([BLOCK_E, _ALIGN], -1, tl.int32), mask=mine)
     used = loc >= 0
