@@ -277,8 +277,8 @@ class FusedMoEModularKernel:
         in a CUDA graph). Unchecked, an out-of-range id counts as non-local on the one-rank path.
 
         Tokens are processed in chunks of at most VLLM_FUSED_MOE_CHUNK_SIZE (and at most the
-        prepare/finalize's max_num_tokens_per_rank), reusing the same workspaces: the result
-        does not depend on the chunk size.
+        prepare/finalize's max_num_tokens_per_rank), reusing the same workspaces; every token
+        goes through the same arithmetic as in one pass (all steps work row by row).
         """
         self._validate(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
                        global_num_experts, expert_map, activation, apply_router_weight_on_input,
