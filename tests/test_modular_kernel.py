@@ -25,6 +25,7 @@ from vllm_moe_fixes.fused_moe.contiguous_experts import (
     DeepGemmExperts,
     TritonExperts,
     select_experts,
+    workspace_views,
 )
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
@@ -32,6 +33,7 @@ from vllm_moe_fixes.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
     PrepareAndFinalize,
     PrepareResult,
+    Workspaces,
 )
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
@@ -282,6 +284,24 @@ def test_workspaces_reused_and_grown():
     ptrs = _ws_ptrs(kernel)
     run(other, p, 8)
     assert _ws_ptrs(other) == ptrs
+
+
+def test_workspace_views_are_reused_until_a_buffer_grows():
+    """Same request -> the same view objects (and the experts' views cached on them); a growth
+    drops them all."""
+    ws = Workspaces()
+    cpu = torch.device("cpu")
+    a = ws.get((4, 8), (2, 8), cpu, torch.bfloat16)
+    assert ws.get((4, 8), (2, 8), cpu, torch.bfloat16) is a
+    shapes = TritonExperts().workspace_shapes(3, 128, 256, 2, 2)
+    w13, w2 = ws.get(shapes[0], shapes[1], cpu, torch.bfloat16)
+    v = workspace_views(w13, w2, 6, 2, 256, 128)
+    assert workspace_views(w13, w2, 6, 2, 256, 128) is v
+    assert v.layout.m_indices.data_ptr() == w2.data_ptr() + (w2.numel() - 8 * w2.shape[0]) * 2
+    bigger = TritonExperts().workspace_shapes(300, 128, 256, 2, 2)
+    grown = ws.get(bigger[0], bigger[1], cpu, torch.bfloat16)
+    assert ws.get(shapes[0], shapes[1], cpu, torch.bfloat16)[1] is not w2
+    assert grown[0].data_ptr() == ws.ws13.data_ptr()
 
 
 def test_sizes_module_is_torch_free_and_matches_the_experts():
