@@ -120,8 +120,7 @@ def _ht_worker(rank, world):
         buf.get_dispatch_layout(idx.int(), 32)
     with pytest.raises(ValueError, match="multiple of the rank count"):
         buf.get_dispatch_layout(idx, 32 * world + 1)
-    # dispatch skips re-reading the range of the topk_idx get_dispatch_layout just checked, but not
-    # once that tensor was modified in place.
+    # dispatch checks the range of CPU ids itself, whatever get_dispatch_layout saw.
     idx2 = idx.clone()
     lay = buf.get_dispatch_layout(idx2, 8)
     idx2[0, 0] = 8
@@ -138,6 +137,23 @@ def _ht_worker(rank, world):
         buf.dispatch(x[:, :4].contiguous(), handle=handle)
     with pytest.raises(ValueError, match="x must be a contiguous"):
         buf.dispatch(x.t(), handle=handle)
+    # What DeepEP's asserts refuse in normal mode.
+    with pytest.raises(ValueError, match="topk_idx must be int64 with 2 dims, contiguous"):
+        buf.get_dispatch_layout(torch.zeros(2, 3, dtype=torch.int64, device=dev).t(), 8)
+    with pytest.raises(ValueError, match="topk_idx and topk_weights go together"):
+        buf.dispatch(x, topk_idx=idx, **{k_: v for k_, v in zip(
+            ("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank"),
+            lay[:4])})
+    with pytest.raises(ValueError, match="num_tokens_per_rank must be int32"):
+        buf.dispatch(x, num_tokens_per_rank=lay[0].long(), is_token_in_rank=lay[3], num_tokens_per_expert=lay[2])
+    with pytest.raises(ValueError, match="x must be bf16 with 2 dims, contiguous; got torch.float32"):
+        buf.combine(y.float(), handle)
+    with pytest.raises(ValueError, match="topk_weights must be float32"):
+        buf.combine(y, handle, topk_weights=torch.ones(y.shape[0], 2, dtype=torch.float64, device=dev))
+    with pytest.raises(ValueError, match="bias must be bf16"):
+        buf.combine(y, handle, bias=torch.zeros(x.shape[0], H_HT, device=dev))
+    with pytest.raises(ValueError, match="bias takes at most two"):
+        buf.combine(y, handle, bias=(None, None, None))
     with pytest.raises(ValueError, match="received token count"):
         buf.combine(y[:0] if y.shape[0] else torch.zeros(1, H_HT, dtype=torch.bfloat16), handle)
     with pytest.raises(ValueError, match="low_latency_mode"):

@@ -13,7 +13,7 @@ count matrix, then moves every per-row tensor of the call (x, its scales, top-k 
 packed into one byte row, in one ``all_to_all_single``. ``combine`` does not synchronise.
 
 Low-latency mode moves fixed-size messages and never reads a device value on the host, so a CUDA
-graph can capture it:
+graph can capture it (the device-side steps live in ``ll_exchange``):
 
     low_latency_dispatch (one all-gather):
         slab [N, row] bytes = (top-k ids int64 [k] | scales f32 [H/128] | fp8 [H]) per token,
@@ -21,8 +21,8 @@ graph can capture it:
         all_gather -> [R, N, row]: every rank sees every rank's slab
         route: the (source, token, slot) pairs whose expert lives here, numbered per expert by a
             cumulative sum (source rank, then token order), give each row's place in
-            recv_x [E_local, R*N, H]; pairs bound elsewhere write one spare row past the end
-    low_latency_combine (one all-gather of the weights, one all_to_all_single):
+            recv_x [E_local, R*N, H]; a Triton kernel copies the served rows there
+    low_latency_combine (one all-gather of the weights [N, k], one all_to_all_single):
         per source rank s and token t: partial[s, t] = sum of w * expert output over the slots
             served here (float32 [N, H]), sent back to s, summed over ranks on s
 
@@ -49,12 +49,9 @@ import torch.distributed as dist
 from vllm_moe_fixes import envs
 from vllm_moe_fixes._validate import check, check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed import deepep_sizing as sizing
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, align_up
+from vllm_moe_fixes.distributed import ll_exchange as ll
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE
 
-# DeepEP's low-latency cast floors amax at this margin, so an all-zero group gets a finite scale.
-LL_AMAX_FLOOR = 1e-4
-# Byte alignment of a low-latency slab row (its int64 ids and float32 scales need 8 and 4).
-_LL_ROW_ALIGN = 16
 # torch 2.13 names it all_gather_single; older releases all_gather_into_tensor (same arguments).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -398,10 +395,10 @@ class TorchAll2AllBuffer:
         e_local = self._check_ll_dispatch(x, topk_idx, n, num_experts, cumulative_local_expert_recv_stats,
                                           dispatch_wait_recv_cost_stats, use_fp8, use_ue8m0, async_finish,
                                           return_recv_hook)
-        slabs = self._all_gather(_ll_slab(x, topk_idx, n, use_fp8, round_scale))  # [R, N, row] bytes
-        ids, scales, data = _ll_unpack(slabs, topk_idx.shape[1], x.shape[1], use_fp8)
-        served, local, pos, recv_count = self._ll_route(ids, e_local)
-        recv_x = _ll_scatter(data, scales, served, local, pos, e_local)
+        slabs = self._all_gather(ll.pack_slab(x, topk_idx, n, use_fp8, round_scale))  # [R, N, row] bytes
+        ids, scales, data = ll.unpack(slabs, topk_idx.shape[1], x.shape[1], use_fp8)
+        served, local, pos, recv_count = ll.route(ids, self.rank, e_local)
+        recv_x = self._ll_receive(data, scales, served, local, pos, e_local)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count
         rows_per_expert = self.group_size * n
@@ -435,8 +432,8 @@ class TorchAll2AllBuffer:
         self._check_ll_combine(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
                                async_finish, return_recv_hook)
         n, t, h = handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden
-        weights = self._all_gather(_pad_rows(topk_weights, n)).view(-1, topk_weights.shape[1])
-        partial = _ll_partial_sums(x.view(-1, h), weights, handle)            # [R*N, H] f32
+        weights = self._all_gather(ll.pad_rows(topk_weights, n)).view(-1, topk_weights.shape[1])
+        partial = ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, weights)  # [R*N, H] f32
         back = torch.empty_like(partial)
         dist.all_to_all_single(back, partial, group=self.group)               # [R(expert rank)*N, H]
         if out is None:
@@ -445,21 +442,21 @@ class TorchAll2AllBuffer:
         return out, None, ((lambda: None) if return_recv_hook else None)
 
     # Low-latency steps.
-    def _ll_route(self, ids: torch.Tensor, e_local: int):
-        """Where each received (source, token, slot) pair goes, from the gathered ids [R*N, k].
-
-        Returns served (bool [R*N, k]: the expert lives here), local (int64: its local expert,
-        clamped into range), pos (int64: its row in that expert's [R*N] slice; pairs are numbered
-        in (source, token, slot) order) and recv_count (int32 [E_local])."""
-        local = ids - self.rank * e_local
-        served = (local >= 0) & (local < e_local)
-        local = local.clamp(0, e_local - 1)
-        hits = (local.view(-1, 1) == torch.arange(e_local, device=ids.device)) & served.view(-1, 1)
-        running = hits.cumsum(0, dtype=torch.int32)                            # [R*N*k, E_local]
-        pos = running.gather(1, local.view(-1, 1)).view(ids.shape).long() - 1
-        rows_per_expert = ids.shape[0]
-        served &= pos < rows_per_expert  # only a token listing one expert twice can overflow
-        return served, local, pos, running[-1].clamp(max=rows_per_expert)
+    def _ll_receive(self, data, scales, served, local, pos, e_local):
+        """recv_x of low_latency_dispatch from the gathered rows: the bytes of each served pair's
+        row into [E_local, R*N, H] (fp8 or bf16) and, with fp8, its scales into the column-major
+        [E_local, R*N, H/128]."""
+        rows_per_expert = served.shape[0]
+        dtype = FP8_DTYPE if scales is not None else torch.bfloat16
+        width = data.shape[1] // (1 if scales is not None else 2)
+        recv = torch.empty(e_local, rows_per_expert, width, dtype=dtype, device=data.device)
+        ll.scatter_rows(data, recv.view(torch.uint8), served, local, pos)
+        if scales is None:
+            return recv
+        recv_s = torch.empty(e_local, scales.shape[1], rows_per_expert, dtype=torch.float32,
+                             device=data.device).transpose(1, 2)
+        ll.scatter_rows(scales, recv_s, served, local, pos)
+        return recv, recv_s
 
     # ----------------------------------------------------------------- validation
     def _check_topk(self, topk_idx: torch.Tensor, num_experts: int) -> int:
@@ -508,6 +505,8 @@ class TorchAll2AllBuffer:
               f"num_tokens_per_rank must be [{r}]; got {list(num_tokens_per_rank.shape)}")
         _check_tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1)
         e_local = check_experts_per_rank(num_tokens_per_expert.numel(), r)
+        check(e_local <= sizing.NUM_MAX_LOCAL_EXPERTS, f"num_tokens_per_expert gives {e_local} experts per "
+              f"rank; DeepEP's dispatch takes at most {sizing.NUM_MAX_LOCAL_EXPERTS}")
         check((topk_idx is None) == (topk_weights is None), "topk_idx and topk_weights go together: "
               "pass both or neither")
         if topk_idx is not None:
@@ -601,98 +600,3 @@ class TorchAll2AllBuffer:
             _check_tensor("out", out, torch.bfloat16, 2)
             check(tuple(out.shape) == (t, h), f"out must be [{t}, {h}]; got {list(out.shape)}")
         self._check_wait_stats("combine_wait_recv_cost_stats", wait_stats)
-
-
-# ----------------------------------------------------------------- low-latency helpers (no host sync)
-def _ll_quant(rows: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's low-latency FP8 cast of bf16 rows [P, H]: per 1x128 group, amax floored at 1e-4,
-    scale = 448 / amax, q = saturate(x * scale) rounded to nearest even, scale_inv = amax * (1/448)
-    (round_scale: scale_inv rounded up to a power of two and scale = 1 / scale_inv).
-    Returns (float8_e4m3fn [P, H], float32 scale_inv [P, H/128])."""
-    p, h = rows.shape
-    g = rows.float().view(p, h // SCALE_BLOCK, SCALE_BLOCK)
-    amax = g.abs().amax(-1).clamp(min=LL_AMAX_FLOOR)
-    if round_scale:
-        scale_inv = torch.exp2(torch.ceil(torch.log2(amax * (1.0 / FP8_MAX))))
-        scale = 1.0 / scale_inv
-    else:
-        scale_inv = amax * (1.0 / FP8_MAX)
-        scale = torch.full_like(amax, FP8_MAX) / amax  # one correctly rounded division, as DeepEP
-    q = (g * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(p, h), scale_inv
-
-
-def _ll_row_layout(k: int, h: int, use_fp8: bool) -> tuple[int, int, int]:
-    """Byte offsets in a slab row: (scales start, data start, row size); ids start at 0."""
-    scales_at = 8 * k
-    data_at = scales_at + (4 * (h // SCALE_BLOCK) if use_fp8 else 0)
-    return scales_at, data_at, align_up(data_at + h * (1 if use_fp8 else 2), _LL_ROW_ALIGN)
-
-
-def _ll_slab(x: torch.Tensor, topk_idx: torch.Tensor, n: int, use_fp8: bool, round_scale: bool) -> torch.Tensor:
-    """This rank's message, uint8 [N, row]: per token its ids, scales (fp8 only) and data; rows
-    T..N-1 carry ids -1 and nothing else."""
-    t, k = topk_idx.shape
-    h = x.shape[1]
-    scales_at, data_at, row = _ll_row_layout(k, h, use_fp8)
-    slab = torch.empty(n, row, dtype=torch.uint8, device=x.device)
-    ids = slab[:, :scales_at].view(torch.int64)
-    ids[:t] = topk_idx
-    ids[t:] = -1
-    if use_fp8:
-        q, s = _ll_quant(x, round_scale)
-        slab[:t, scales_at:data_at] = s.view(torch.uint8)
-        slab[:t, data_at:data_at + h] = q.view(torch.uint8)
-    else:
-        slab[:t, data_at:data_at + 2 * h] = x.view(torch.uint8)
-    return slab
-
-
-def _ll_unpack(slabs: torch.Tensor, k: int, h: int, use_fp8: bool):
-    """Views of the gathered slabs [R, N, row]: ids int64 [R*N, k], scales float32 [R*N, H/128]
-    (None without fp8) and data bytes [R*N, H or 2H]."""
-    scales_at, data_at, row = _ll_row_layout(k, h, use_fp8)
-    flat = slabs.view(-1, row)
-    scales = flat[:, scales_at:data_at].view(torch.float32) if use_fp8 else None
-    return flat[:, :scales_at].view(torch.int64), scales, flat[:, data_at:data_at + h * (1 if use_fp8 else 2)]
-
-
-def _ll_scatter(data: torch.Tensor, scales: torch.Tensor | None, served: torch.Tensor, local: torch.Tensor,
-                pos: torch.Tensor, e_local: int):
-    """Write each served pair's row into recv_x [E_local, R*N, H] (and its scales into the
-    column-major [E_local, R*N, H/128]); pairs served elsewhere write one spare row (or element)
-    past the end, so no pair needs a host-side count."""
-    rows_per_expert, k = served.shape
-    width = data.shape[1]
-    spare = e_local * rows_per_expert
-    dest = torch.where(served, local * rows_per_expert + pos, spare)            # [R*N, k]
-    recv = torch.empty(spare + 1, width, dtype=torch.uint8, device=data.device)
-    recv.index_put_((dest,), data.unsqueeze(1).expand(-1, k, -1))
-    if scales is None:
-        return recv[:spare].view(torch.bfloat16).view(e_local, rows_per_expert, width // 2)
-    groups = scales.shape[1]
-    # Element (e, row, g) of the column-major scales sits at e*G*R*N + g*R*N + row.
-    group_at = torch.arange(groups, device=data.device) * rows_per_expert
-    at = torch.where(served.unsqueeze(-1), (local * groups * rows_per_expert + pos).unsqueeze(-1) + group_at,
-                     spare * groups)                                            # [R*N, k, G]
-    recv_s = torch.empty(spare * groups + 1, dtype=torch.float32, device=data.device)
-    recv_s.index_put_((at,), scales.unsqueeze(1).expand(-1, k, -1))
-    recv_s = recv_s[:spare * groups].view(e_local, groups, rows_per_expert).transpose(1, 2)
-    return recv[:spare].view(FP8_DTYPE).view(e_local, rows_per_expert, width), recv_s
-
-
-def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t [T, ...] -> [n, ...] with zero rows appended."""
-    out = t.new_zeros(n, *t.shape[1:])
-    out[:t.shape[0]] = t
-    return out
-
-
-def _ll_partial_sums(x_rows: torch.Tensor, weights: torch.Tensor, handle: _LLHandle) -> torch.Tensor:
-    """Per received (source, token): sum over the slots served here of weight * expert output,
-    float32 [R*N, H]. Slots served elsewhere contribute exact zeros whatever their rows hold (a
-    zero weight alone would not cancel NaN garbage)."""
-    k = handle.served.shape[1]
-    got = x_rows.index_select(0, handle.recv_row.view(-1)).view(-1, k, x_rows.shape[1])
-    weighted = torch.where(handle.served.unsqueeze(-1), got * weights.unsqueeze(-1), 0.0)  # f32
-    return weighted.sum(1)

@@ -1,0 +1,148 @@
+"""The device-side steps of the naive low-latency exchange: routing against a loop written out
+here, and each Triton kernel against its torch reference (interpreter on the CPU, the GPU where
+there is one) on random inputs with poisoned outputs, awkward widths and empty routings."""
+
+import pytest
+import torch
+
+from vllm_moe_fixes.distributed import ll_exchange as ll
+
+INT64_ROWS = 2**31  # element counts past this need 64-bit offsets
+
+
+def _ids(seed, rows, k, num_experts, device="cpu"):
+    """int64 [rows, k]: distinct ids per row in [0, num_experts) (as a router picks them), about a
+    quarter of them -1, and the last row all -1 (a padding row)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(rows)])
+    ids[torch.rand(rows, k, generator=g) < 0.25] = -1
+    ids[-1] = -1
+    return ids.to(device)
+
+
+def _route_loop(ids, rank, e_local):
+    """Positions numbered pair by pair in (row, slot) order, per local expert."""
+    served = torch.zeros(ids.shape, dtype=torch.bool)
+    pos = torch.zeros(ids.shape, dtype=torch.int64)
+    count = [0] * e_local
+    for p in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[p, j]) - rank * e_local
+            if 0 <= e < e_local:
+                served[p, j], pos[p, j] = True, count[e]
+                count[e] += 1
+    return served, pos, count
+
+
+@pytest.mark.parametrize("rank, e_local", [(0, 3), (1, 4), (2, 1)])
+def test_route_matches_loop(rank, e_local):
+    ids = _ids(rank, 7, 3, 3 * e_local)
+    served, local, pos, count = ll.route(ids, rank, e_local)
+    want_served, want_pos, want_count = _route_loop(ids, rank, e_local)
+    assert torch.equal(served, want_served)
+    assert torch.equal(pos[served], want_pos[want_served])
+    assert torch.equal(local[served], ids[served] - rank * e_local)
+    assert count.dtype == torch.int32 and count.tolist() == want_count
+
+
+def _routing(seed, rows, k, e_local, device):
+    served, local, pos, _ = ll.route(_ids(seed, rows, k, 2 * e_local, device), 1, e_local)
+    return served, local, pos
+
+
+@pytest.mark.parametrize("rows, k, e_local, width, dtype", [
+    (6, 3, 4, 40, torch.uint8),      # awkward width, bytes
+    (5, 2, 2, 5, torch.float32),     # scales: column-major destination
+    (1, 1, 1, 7, torch.uint8),       # one row
+    (4, 2, 3, 1100, torch.uint8),    # wider than one column block
+])
+def test_scatter_rows_triton_matches_ref(kernel_device, rows, k, e_local, width, dtype):
+    served, local, pos = _routing(rows + width, rows, k, e_local, kernel_device)
+    g = torch.Generator().manual_seed(width)
+    wide = torch.randint(0, 255, (rows, width + 3), generator=g).to(dtype).to(kernel_device)
+    src = wide[:, 1:width + 1]  # a strided view, as the slab's fields are
+    if dtype == torch.float32:
+        make = lambda: torch.full((e_local, width, rows), float("nan"), device=kernel_device).transpose(1, 2)
+    else:
+        make = lambda: torch.full((e_local, rows, width), 0xAB, dtype=dtype, device=kernel_device)
+    got, want = make(), make()
+    ll.scatter_rows_triton(src, got, served, local, pos)
+    ll.scatter_rows_ref(src, want, served, local, pos)
+    assert torch.equal(got.view(torch.uint8) if dtype == torch.uint8 else got.nan_to_num(-1.0),
+                       want.view(torch.uint8) if dtype == torch.uint8 else want.nan_to_num(-1.0))
+    assert served.any() or rows == 1  # the cases route something here
+
+
+def test_scatter_rows_nothing_served(kernel_device):
+    served = torch.zeros(3, 2, dtype=torch.bool, device=kernel_device)
+    zeros = torch.zeros(3, 2, dtype=torch.int64, device=kernel_device)
+    dst = torch.full((2, 3, 16), 7, dtype=torch.uint8, device=kernel_device)
+    ll.scatter_rows_triton(torch.zeros(3, 16, dtype=torch.uint8, device=kernel_device), dst, served, zeros, zeros)
+    assert (dst == 7).all()
+
+
+@pytest.mark.parametrize("rows, k, e_local, hidden", [(6, 3, 4, 256), (1, 1, 1, 128), (5, 4, 2, 2176)])
+def test_partial_sums_triton_matches_ref(kernel_device, rows, k, e_local, hidden):
+    served, local, pos = _routing(rows * k + hidden, rows, k, e_local, kernel_device)
+    recv_row = torch.where(served, local * rows + pos, 0)
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(e_local * rows, hidden, generator=g).to(torch.bfloat16).to(kernel_device)
+    x[recv_row[~served]] = float("nan")  # rows only unserved slots point at: never read
+    w = torch.rand(rows, k, generator=g).to(kernel_device)
+    w[~served] = float("nan")
+    got = torch.full((rows, hidden), float("nan"), device=kernel_device)
+    want = torch.full((rows, hidden), float("nan"), device=kernel_device)
+    if served.any():
+        used = recv_row[served].unique()
+        x[used] = torch.randn(used.numel(), hidden, generator=g).to(torch.bfloat16).to(kernel_device)
+    ll.partial_sums_triton(x, recv_row, served, w, got)
+    ll.partial_sums_ref(x, recv_row, served, w, want)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+
+
+def test_pack_and_unpack_round_trip():
+    x = (torch.randn(3, 256) * 3).to(torch.bfloat16)
+    ids = torch.tensor([[0, 5], [-1, 2], [7, 7]])
+    for use_fp8 in (True, False):
+        slab = ll.pack_slab(x, ids, 5, use_fp8, round_scale=False)
+        got_ids, scales, data = ll.unpack(slab.view(1, 5, -1), 2, 256, use_fp8)
+        assert slab.shape[1] % ll.ROW_ALIGN == 0
+        assert torch.equal(got_ids[:3], ids) and (got_ids[3:] == -1).all()
+        if use_fp8:
+            q, s = ll.ll_quant(x, False)
+            assert torch.equal(data[:3], q.view(torch.uint8)) and torch.equal(scales[:3], s)
+        else:
+            assert scales is None and torch.equal(data[:3].contiguous().view(torch.bfloat16), x)
+
+
+# ---------------------------------------------------------------- 64-bit offsets (GPU)
+@pytest.mark.gpu
+def test_scatter_rows_past_2_31_elements():
+    rows, width, e_local = 2**19 + 64, 2048, 2
+    assert e_local * rows * width > INT64_ROWS
+    src = torch.randint(0, 255, (rows, width), dtype=torch.uint8, device="cuda")
+    served = torch.zeros(rows, 1, dtype=torch.bool, device="cuda")
+    served[-5:] = True  # the last source rows go to the last rows of the last expert
+    local = torch.full((rows, 1), e_local - 1, dtype=torch.int64, device="cuda")
+    pos = torch.arange(rows, device="cuda").view(rows, 1)
+    dst = torch.zeros(e_local, rows, width, dtype=torch.uint8, device="cuda")
+    ll.scatter_rows_triton(src, dst, served, local, pos)
+    assert torch.equal(dst[-1, -5:], src[-5:])
+    assert not dst[-1, :-5].any() and not dst[0].any()
+
+
+@pytest.mark.gpu
+def test_partial_sums_past_2_31_elements():
+    rows, hidden = 2**20 + 64, 2048
+    assert rows * hidden > INT64_ROWS
+    x = torch.zeros(rows, hidden, dtype=torch.bfloat16, device="cuda")
+    x[-3:] = torch.randn(3, hidden, device="cuda").to(torch.bfloat16)
+    recv_row = torch.tensor([[rows - 1, rows - 2], [rows - 3, 0]], device="cuda")
+    served = torch.tensor([[True, True], [True, False]], device="cuda")
+    w = torch.rand(2, 2, device="cuda")
+    got = torch.empty(2, hidden, device="cuda")
+    want = torch.empty(2, hidden, device="cuda")
+    ll.partial_sums_triton(x, recv_row, served, w, got)
+    ll.partial_sums_ref(x, recv_row, served, w, want)
+    assert torch.equal(got, want) and got.abs().sum() > 0

@@ -1,0 +1,216 @@
+"""The device-side steps of TorchAll2AllBuffer's low-latency exchange: fixed-size messages, no
+host synchronisation (every size is known on the host before the call; every position is computed
+on the device).
+
+    pack_slab      x bf16 [T, H], ids int64 [T, k] -> this rank's message, uint8 [N, row]:
+                   per token (ids | fp8 scales | data), rows T..N-1 carry ids -1
+    (all-gather)   -> [R, N, row]
+    route          gathered ids [R*N, k] -> per (source, token, slot) pair: served here, local
+                   expert, row in that expert's [R*N] slice (numbered by a cumulative sum, in
+                   source, token, slot order); received rows per local expert
+    scatter_rows   each served pair's row -> recv_x [E_l, R*N, H] (and its scales -> the
+                   column-major [E_l, R*N, H/128]); one Triton program per (pairs, columns) tile
+    partial_sums   expert outputs [E_l*R*N, H] -> per received (source, token) the weighted sum
+                   over the slots served here, float32 [R*N, H]; one Triton program per
+                   (row, columns) tile reads only the served rows
+
+``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors (int64 offsets) and their torch
+references (``*_ref``) on CPU tensors; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, align_up
+from vllm_moe_fixes.ops.fp8_quant import next_power_of_2
+
+# DeepEP's low-latency cast floors amax at this margin, so an all-zero group gets a finite scale.
+LL_AMAX_FLOOR = 1e-4
+# Byte alignment of a slab row (its int64 ids and float32 scales need 8 and 4).
+ROW_ALIGN = 16
+
+
+# ----------------------------------------------------------------- the message
+def ll_quant(rows: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's low-latency FP8 cast of bf16 rows [P, H]: per 1x128 group, amax floored at 1e-4,
+    scale = 448 / amax, q = saturate(x * scale) rounded to nearest even, scale_inv = amax * (1/448)
+    (round_scale: scale_inv rounded up to a power of two and scale = 1 / scale_inv).
+    Returns (float8_e4m3fn [P, H], float32 scale_inv [P, H/128])."""
+    p, h = rows.shape
+    g = rows.float().view(p, h // SCALE_BLOCK, SCALE_BLOCK)
+    amax = g.abs().amax(-1).clamp(min=LL_AMAX_FLOOR)
+    if round_scale:
+        scale_inv = torch.exp2(torch.ceil(torch.log2(amax * (1.0 / FP8_MAX))))
+        scale = 1.0 / scale_inv
+    else:
+        scale_inv = amax * (1.0 / FP8_MAX)
+        scale = torch.full_like(amax, FP8_MAX) / amax  # one correctly rounded division, as DeepEP
+    q = (g * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(p, h), scale_inv
+
+
+def row_layout(k: int, h: int, use_fp8: bool) -> tuple[int, int, int]:
+    """Byte offsets in a slab row: (scales start, data start, row size); the ids start at 0."""
+    scales_at = 8 * k
+    data_at = scales_at + (4 * (h // SCALE_BLOCK) if use_fp8 else 0)
+    return scales_at, data_at, align_up(data_at + h * (1 if use_fp8 else 2), ROW_ALIGN)
+
+
+def pack_slab(x: torch.Tensor, topk_idx: torch.Tensor, n: int, use_fp8: bool, round_scale: bool) -> torch.Tensor:
+    """This rank's message, uint8 [N, row]: per token its ids, scales (fp8 only) and data; rows
+    T..N-1 carry ids -1 and nothing else."""
+    t, k = topk_idx.shape
+    h = x.shape[1]
+    scales_at, data_at, row = row_layout(k, h, use_fp8)
+    slab = torch.empty(n, row, dtype=torch.uint8, device=x.device)
+    ids = slab[:, :scales_at].view(torch.int64)
+    ids[:t] = topk_idx
+    ids[t:] = -1
+    if use_fp8:
+        q, s = ll_quant(x, round_scale)
+        slab[:t, scales_at:data_at] = s.view(torch.uint8)
+        slab[:t, data_at:data_at + h] = q.view(torch.uint8)
+    else:
+        slab[:t, data_at:data_at + 2 * h] = x.view(torch.uint8)
+    return slab
+
+
+def unpack(slabs: torch.Tensor, k: int, h: int, use_fp8: bool):
+    """Views of the gathered slabs [R, N, row]: ids int64 [R*N, k], scales float32 [R*N, H/128]
+    (None without fp8) and data bytes uint8 [R*N, H (fp8) or 2H (bf16)]."""
+    scales_at, data_at, row = row_layout(k, h, use_fp8)
+    flat = slabs.view(-1, row)
+    scales = flat[:, scales_at:data_at].view(torch.float32) if use_fp8 else None
+    return flat[:, :scales_at].view(torch.int64), scales, flat[:, data_at:data_at + h * (1 if use_fp8 else 2)]
+
+
+def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [T, ...] -> [n, ...] with zero rows appended."""
+    out = t.new_zeros(n, *t.shape[1:])
+    out[:t.shape[0]] = t
+    return out
+
+
+# ----------------------------------------------------------------- routing (torch, no host sync)
+def route(ids: torch.Tensor, rank: int, e_local: int):
+    """Where each received (source, token, slot) pair goes, from the gathered ids [R*N, k].
+
+    Returns served (bool [R*N, k]: the expert lives on ``rank``), local (int64: its local
+    expert, clamped into range), pos (int64: its row in that expert's [R*N] slice; pairs are
+    numbered in (source, token, slot) order) and recv_count (int32 [E_local])."""
+    local = ids - rank * e_local
+    served = (local >= 0) & (local < e_local)
+    local = local.clamp(0, e_local - 1)
+    hits = (local.view(-1, 1) == torch.arange(e_local, device=ids.device)) & served.view(-1, 1)
+    running = hits.cumsum(0, dtype=torch.int32)                            # [R*N*k, E_local]
+    pos = running.gather(1, local.view(-1, 1)).view(ids.shape).long() - 1
+    rows_per_expert = ids.shape[0]
+    served &= pos < rows_per_expert  # only a token listing one expert twice can overflow
+    return served, local, pos, running[-1].clamp(max=rows_per_expert)
+
+
+# ----------------------------------------------------------------- scatter into the masked layout
+@triton.jit
+def _scatter_rows_kernel(src_ptr, dst_ptr, served_ptr, local_ptr, pos_ptr, num_pairs, width,
+                         src_stride_row, src_stride_col, dst_stride_expert, dst_stride_row,
+                         dst_stride_col, TOPK: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_W: tl.constexpr):
+    pairs = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
+    served = tl.load(served_ptr + pairs, mask=pairs < num_pairs, other=0) != 0
+    local = tl.load(local_ptr + pairs, mask=served, other=0)
+    pos = tl.load(pos_ptr + pairs, mask=served, other=0)
+    mask = served[:, None] & (cols < width)[None, :]
+    # Pair p carries source row p // TOPK; pairs served elsewhere neither read nor write.
+    src = src_ptr + (pairs // TOPK)[:, None] * src_stride_row + cols[None, :] * src_stride_col
+    dst = dst_ptr + (local * dst_stride_expert + pos * dst_stride_row)[:, None] + cols[None, :] * dst_stride_col
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+def scatter_rows_triton(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor, local: torch.Tensor,
+                        pos: torch.Tensor) -> None:
+    """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    src [R*N, W] (any strides); dst [E_l, R*N, W] of src's dtype (any strides; row (e, pos) of each
+    served pair written); served bool, local and pos int64, all [R*N, k] contiguous."""
+    pairs, topk = served.shape
+    width = src.shape[1]
+    if pairs == 0 or width == 0:
+        return
+    block_w = min(next_power_of_2(width), 1024)
+    block_p = max(1, min(64, 2048 // block_w))
+    grid = (triton.cdiv(pairs * topk, block_p), triton.cdiv(width, block_w))
+    _scatter_rows_kernel[grid](src, dst, served.view(torch.uint8), local, pos, pairs * topk, width,
+                               *src.stride(), *dst.stride(), TOPK=topk, BLOCK_P=block_p, BLOCK_W=block_w,
+                               num_warps=4)
+
+
+def scatter_rows_ref(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor, local: torch.Tensor,
+                     pos: torch.Tensor) -> None:
+    """torch reference of ``scatter_rows_triton`` (same arguments, same result)."""
+    p, j = served.nonzero(as_tuple=True)
+    dst[local[p, j], pos[p, j]] = src[p]
+
+
+def scatter_rows(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor, local: torch.Tensor,
+                 pos: torch.Tensor) -> None:
+    """Copy row p // k of src [R*N, W] to dst[local, pos] for every served pair (p, j) of the
+    [R*N, k] routing; no host sync on CUDA (Triton), the torch reference on the CPU."""
+    (scatter_rows_triton if src.is_cuda else scatter_rows_ref)(src, dst, served, local, pos)
+
+
+# ----------------------------------------------------------------- weighted partial sums
+@triton.jit
+def _partial_sums_kernel(x_ptr, row_ptr, served_ptr, w_ptr, out_ptr, hidden, x_stride_row,
+                         out_stride_row, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        served = tl.load(served_ptr + r * TOPK + j) != 0
+        row = tl.load(row_ptr + r * TOPK + j)
+        w = tl.where(served, tl.load(w_ptr + r * TOPK + j), 0.0)
+        # A slot served elsewhere is not read (no column is in range): it adds exactly 0 even
+        # over NaN rows.
+        in_range = cols < tl.where(served, hidden, 0)
+        v = tl.load(x_ptr + row * x_stride_row + cols, mask=in_range, other=0.0).to(tl.float32)
+        acc = acc + v * w
+    tl.store(out_ptr + r * out_stride_row + cols, acc, mask=cols < hidden)
+
+
+def partial_sums_triton(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Tensor,
+                        weights: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    x_rows bf16 [E_l*R*N, H] (unit column stride); recv_row int64, served bool, weights float32,
+    all [R*N, k] contiguous; out float32 [R*N, H] (unit column stride), written."""
+    rows, topk = served.shape
+    hidden = x_rows.shape[1]
+    if rows == 0 or hidden == 0:
+        return
+    block_h = min(next_power_of_2(hidden), 2048)
+    _partial_sums_kernel[(rows, triton.cdiv(hidden, block_h))](
+        x_rows, recv_row, served.view(torch.uint8), weights, out, hidden, x_rows.stride(0), out.stride(0),
+        TOPK=topk, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False)
+
+
+def partial_sums_ref(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Tensor,
+                     weights: torch.Tensor, out: torch.Tensor) -> None:
+    """torch reference of ``partial_sums_triton``: the same float32 products, added in slot order."""
+    out.zero_()
+    for j in range(served.shape[1]):
+        got = x_rows.index_select(0, recv_row[:, j]).float() * weights[:, j:j + 1]
+        out += torch.where(served[:, j:j + 1], got, 0.0)
+
+
+def partial_sums(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """Per received (source, token) row r: sum over slots j served here of weights[r, j] *
+    x_rows[recv_row[r, j]], float32 [R*N, H]. Slots served elsewhere contribute exact zeros
+    whatever their rows hold (a zero weight alone would not cancel NaN garbage)."""
+    out = torch.empty(served.shape[0], x_rows.shape[1], dtype=torch.float32, device=x_rows.device)
+    (partial_sums_triton if x_rows.is_cuda else partial_sums_ref)(x_rows, recv_row, served, weights, out)
+    return out
