@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from vllm_moe_fixes._compat import deep_gemm as compat
-from vllm_moe_fixes.fused_moe import batched_experts as batched_mod
 from vllm_moe_fixes.fused_moe import contiguous_experts as experts_mod
 from vllm_moe_fixes.fused_moe import experts_selection as selection_mod
 from vllm_moe_fixes.fused_moe.batched_experts import (
@@ -421,13 +420,13 @@ def test_batched_apply_with_exact_poisoned_workspaces(N, K, T, device, monkeypat
     (buf13, ws13), (buf2, ws2) = bufs
     out = ws13.view(-1)[:torch.Size(out_shape).numel()].view(out_shape)
     seen = []
-    real_gemm = batched_mod.grouped_fp8_gemm_masked
+    real_gemm = BatchedTritonExperts.gemm
 
-    def gemm(a, w, o, m):
+    def gemm(self, a, w, o, m, expected_m):
         seen.append(a)
-        return real_gemm(a, w, o, m)
+        return real_gemm(self, a, w, o, m, expected_m)
 
-    monkeypatch.setattr(batched_mod, "grouped_fp8_gemm_masked", gemm)
+    monkeypatch.setattr(BatchedTritonExperts, "gemm", gemm)
     experts.apply(out, a_q, a_s, w1, w2, w1s, w2s, None, None, "silu", ws13, ws2,
                   torch.tensor(counts, dtype=torch.int32, device=device))
     for buf in (buf13, buf2):

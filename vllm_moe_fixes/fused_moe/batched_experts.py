@@ -26,8 +26,11 @@ from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
-from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_masked
-from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8
+from vllm_moe_fixes.ops.grouped_gemm import (
+    grouped_fp8_gemm_masked_ref,
+    grouped_fp8_gemm_masked_triton,
+)
+from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_triton
 from vllm_moe_fixes.sizes import batched_workspace_shapes
 
 
@@ -51,8 +54,42 @@ def quant_batched_fp8(x: torch.Tensor, out_q: torch.Tensor | None = None,
     return q.view(e, t, k), out_s
 
 
+def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, e_l: int, t: int, n: int):
+    """(H bf16 [E_l, T, 2N] at the start of ws13, G' fp8 [E_l, T, N] at the start of ws2, G''s
+    float32 scales [E_l, T, N/128] MN-major per expert right after G')."""
+    h = ws13.view(-1)[:e_l * t * 2 * n].view(e_l, t, 2 * n)
+    ws = ws2.view(-1).view(torch.uint8)
+    g_q = ws[:e_l * t * n].view(FP8_DTYPE).view(e_l, t, n)
+    groups = n // SCALE_BLOCK
+    g_s = ws[e_l * t * n:e_l * t * n + e_l * t * groups * 4].view(torch.float32)
+    return h, g_q, g_s.view(e_l, groups, t).transpose(1, 2)
+
+
+def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, e_l: int, t: int, n: int):
+    """_make_views, cached in a dict attached to ws2 itself (the modular kernel hands the same
+    workspace view objects to every call of a shape until a buffer grows)."""
+    cache = ws2.__dict__.setdefault("_batched_views", {})
+    key = (ws13.data_ptr(), ws2.data_ptr(), e_l, t, n)
+    views = cache.get(key)
+    if views is None:
+        views = cache[key] = _make_views(ws13, ws2, e_l, t, n)
+    return views
+
+
+def _silu_and_mul_quant(h, g_q, g_s, masked_m) -> None:
+    """The fused SiLU-quant over the valid rows: its launcher on CUDA, the op on CPU."""
+    if h.is_cuda:
+        silu_and_mul_quant_fp8_triton(h, g_q, g_s, masked_m, False)
+    else:
+        silu_and_mul_quant_fp8(h, out_q=g_q, out_s=g_s, expert_num_tokens=masked_m)
+
+
 class BatchedExperts(Experts):
-    """Shared body of BatchedTritonExperts and BatchedDeepGemmExperts; subclasses give `gemm`."""
+    """Shared body of BatchedTritonExperts and BatchedDeepGemmExperts; subclasses give `gemm`.
+
+    apply launches the kernels without the public ops' checks (host time counts in decode): the
+    modular kernel validates the weights, and apply checks what only it knows.
+    """
 
     activation_format = ActivationFormat.BATCHED
 
@@ -76,25 +113,21 @@ class BatchedExperts(Experts):
         if expert_num_tokens is None:
             raise ValueError("batched experts need expert_num_tokens (int32 [E_l])")
         e_l, t, _ = a1q.shape
-        n = w2.shape[2]
         masked_m = expert_num_tokens.to(torch.int32).contiguous()
         expected_m = t if expected_m is None else expected_m
-        h = workspace13.view(-1)[:e_l * t * 2 * n].view(e_l, t, 2 * n)
+        h, g_q, g_s = workspace_views(workspace13, workspace2, e_l, t, w2.shape[2])
         self.gemm((a1q, a1q_scale), (w1, w1_scale), h, masked_m, expected_m)
-        ws = workspace2.view(-1).view(torch.uint8)
-        g_q = ws[:e_l * t * n].view(FP8_DTYPE).view(e_l, t, n)
-        groups = n // SCALE_BLOCK
-        g_s = ws[e_l * t * n:e_l * t * n + e_l * t * groups * 4].view(torch.float32)
-        g_s = g_s.view(e_l, groups, t).transpose(1, 2)
-        silu_and_mul_quant_fp8(h, out_q=g_q, out_s=g_s, expert_num_tokens=masked_m)
+        _silu_and_mul_quant(h, g_q, g_s, masked_m)
         self.gemm((g_q, g_s), (w2, w2_scale), output, masked_m, expected_m)
 
 
 class BatchedTritonExperts(BatchedExperts):
-    """Batched experts on `ops.grouped_fp8_gemm_masked` (Triton on CUDA, torch reference on CPU)."""
+    """Batched experts on the Triton masked GEMM of `ops.grouped_fp8_gemm_masked` (its torch
+    reference on CPU)."""
 
     def gemm(self, a, w, out, masked_m, expected_m) -> None:
-        grouped_fp8_gemm_masked(a, w, out, masked_m)
+        gemm = grouped_fp8_gemm_masked_triton if out.is_cuda else grouped_fp8_gemm_masked_ref
+        gemm(a, w, out, masked_m)
 
 
 class BatchedDeepGemmExperts(BatchedExperts):

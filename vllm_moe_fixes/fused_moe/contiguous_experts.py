@@ -78,6 +78,7 @@ class _Views(NamedTuple):
 
 def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int, K: int,
                 N: int) -> _Views:
+    """The views of the module docstring's table for num_slots = M*k slots (ws2 has M_sum rows)."""
     m_sum = ws2.shape[0]
     index_numel = m_sum * LAYOUT_INDEX_COLUMNS  # bf16 elements = 2x as many int32
     flat2 = ws2.view(-1)
@@ -119,6 +120,7 @@ TORCH_LAUNCHERS = _Launchers(
 
 
 def launchers_for(device: torch.device) -> _Launchers:
+    """The launchers for tensors on `device`."""
     return TRITON_LAUNCHERS if device.type == "cuda" else TORCH_LAUNCHERS
 
 
