@@ -37,16 +37,50 @@ def _route_loop(ids, rank, e_local):
 @pytest.mark.parametrize("rank, e_local", [(0, 3), (1, 4), (2, 1)])
 def test_route_matches_loop(rank, e_local):
     ids = _ids(rank, 7, 3, 3 * e_local)
-    served, local, pos, count = ll.route(ids, rank, e_local)
+    served, local, pos, recv_row, count = ll.route(ids, rank, e_local)
     want_served, want_pos, want_count = _route_loop(ids, rank, e_local)
     assert torch.equal(served, want_served)
-    assert torch.equal(pos[served], want_pos[want_served])
-    assert torch.equal(local[served], ids[served] - rank * e_local)
+    assert torch.equal(pos, want_pos)
+    assert torch.equal(local, torch.where(served, ids - rank * e_local, 0))
+    assert torch.equal(recv_row, local * ids.shape[0] + pos)
     assert count.dtype == torch.int32 and count.tolist() == want_count
 
 
+@pytest.mark.parametrize("rows, k, e_local, num_experts, rank", [
+    (7, 3, 3, 9, 1), (1, 1, 1, 2, 0), (40, 8, 5, 20, 3), (300, 6, 32, 64, 1), (3, 2, 4, 8, 0)])
+def test_route_triton_matches_ref(kernel_device, rows, k, e_local, num_experts, rank):
+    ids = _ids(rows * k, rows, k, num_experts, kernel_device)
+    slab = torch.full((rows, k + 3), 99, dtype=torch.int64, device=kernel_device)
+    slab[:, :k] = ids
+    ids = slab[:, :k]  # strided, as the gathered slab's ids are
+
+    def outputs():
+        dev = kernel_device
+        return (torch.ones(rows, k, dtype=torch.bool, device=dev),
+                *(torch.full((rows, k), -7, dtype=torch.int64, device=dev) for _ in range(3)),
+                torch.full((e_local,), -7, dtype=torch.int32, device=dev))
+
+    got, want = outputs(), outputs()
+    ll.route_triton(ids, rank, e_local, *got)
+    ll.route_ref(ids, rank, e_local, *want)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert int(want[-1].sum()) == int(want[0].sum())
+
+
+def test_route_drops_overflowing_duplicates(kernel_device):
+    """A token listing one expert in every slot: the expert's slice holds R*N rows, the rest drop."""
+    ids = torch.zeros(2, 3, dtype=torch.int64, device=kernel_device)
+    for fn in (ll.route_triton, ll.route_ref):
+        out = (torch.empty(2, 3, dtype=torch.bool, device=kernel_device),
+               *(torch.empty(2, 3, dtype=torch.int64, device=kernel_device) for _ in range(3)),
+               torch.empty(1, dtype=torch.int32, device=kernel_device))
+        fn(ids, 0, 1, *out)
+        assert out[0].sum() == 2 and out[-1].tolist() == [2] and sorted(out[2][out[0]].tolist()) == [0, 1]
+
+
 def _routing(seed, rows, k, e_local, device):
-    served, local, pos, _ = ll.route(_ids(seed, rows, k, 2 * e_local, device), 1, e_local)
+    served, local, pos, _, _ = ll.route(_ids(seed, rows, k, 2 * e_local, device), 1, e_local)
     return served, local, pos
 
 

@@ -7,15 +7,16 @@ on the device).
     (all-gather)   -> [R, N, row]
     route          gathered ids [R*N, k] -> per (source, token, slot) pair: served here, local
                    expert, row in that expert's [R*N] slice (numbered by a cumulative sum, in
-                   source, token, slot order); received rows per local expert
+                   source, token, slot order); received rows per local expert; one Triton
+                   program walks the pairs
     scatter_rows   each served pair's row -> recv_x [E_l, R*N, H] (and its scales -> the
                    column-major [E_l, R*N, H/128]); one Triton program per (pairs, columns) tile
     partial_sums   expert outputs [E_l*R*N, H] -> per received (source, token) the weighted sum
                    over the slots served here, float32 [R*N, H]; one Triton program per
                    (row, columns) tile reads only the served rows
 
-``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors (int64 offsets) and their torch
-references (``*_ref``) on CPU tensors; the tests compare the two.
+``route``, ``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors (int64 offsets) and
+their torch references (``*_ref``) on CPU tensors; the tests compare the two.
 """
 
 from __future__ import annotations
@@ -94,22 +95,77 @@ def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-# ----------------------------------------------------------------- routing (torch, no host sync)
+# ----------------------------------------------------------------- routing
+@triton.jit
+def _route_kernel(ids_ptr, served_ptr, local_ptr, pos_ptr, row_ptr, count_ptr, num_pairs, ids_stride_row,
+                  first_expert, e_local, rows_per_expert, TOPK: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    # One program walks the pairs in order, BLOCK_P at a time, carrying each expert's count.
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P).to(tl.int64)
+        in_range = pairs < num_pairs
+        ids = tl.load(ids_ptr + (pairs // TOPK) * ids_stride_row + pairs % TOPK, mask=in_range, other=-1)
+        local = ids - first_expert
+        served = in_range & (local >= 0) & (local < e_local)
+        hits = (local[:, None] == e[None, :]) & served[:, None]
+        running = tl.cumsum(hits.to(tl.int32), axis=0) + counts[None, :]
+        pos = (tl.sum(tl.where(hits, running, 0), axis=1) - 1).to(tl.int64)
+        served = served & (pos < rows_per_expert)  # only a token listing one expert twice overflows
+        local = tl.where(served, local, 0)
+        pos = tl.where(served, pos, 0)
+        tl.store(served_ptr + pairs, served.to(tl.uint8), mask=in_range)
+        tl.store(local_ptr + pairs, local, mask=in_range)
+        tl.store(pos_ptr + pairs, pos, mask=in_range)
+        tl.store(row_ptr + pairs, local * rows_per_expert + pos, mask=in_range)
+        counts += tl.sum(hits.to(tl.int32), axis=0)
+    tl.store(count_ptr + e, tl.minimum(counts, rows_per_expert), mask=e < e_local)
+
+
+def route_triton(ids: torch.Tensor, rank: int, e_local: int, served: torch.Tensor, local: torch.Tensor,
+                 pos: torch.Tensor, recv_row: torch.Tensor, recv_count: torch.Tensor) -> None:
+    """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1): ids int64
+    [R*N, k] with unit column stride; the outputs as ``route`` returns them, contiguous."""
+    rows, topk = ids.shape
+    block_e = next_power_of_2(e_local)
+    block_p = max(16, 4096 // block_e)
+    _route_kernel[(1,)](ids, served.view(torch.uint8), local, pos, recv_row, recv_count, rows * topk,
+                        ids.stride(0), rank * e_local, e_local, rows, TOPK=topk, BLOCK_P=block_p,
+                        BLOCK_E=block_e, num_warps=4)
+
+
+def route_ref(ids: torch.Tensor, rank: int, e_local: int, served: torch.Tensor, local: torch.Tensor,
+              pos: torch.Tensor, recv_row: torch.Tensor, recv_count: torch.Tensor) -> None:
+    """torch reference of ``route_triton`` (same arguments, same results)."""
+    rows = ids.shape[0]
+    first = ids - rank * e_local
+    here = (first >= 0) & (first < e_local)
+    expert = first.clamp(0, e_local - 1)
+    hits = (expert.view(-1, 1) == torch.arange(e_local, device=ids.device)) & here.view(-1, 1)
+    running = hits.cumsum(0, dtype=torch.int32)                            # [R*N*k, E_local]
+    rank_in_expert = running.gather(1, expert.view(-1, 1)).view(ids.shape).long() - 1
+    served.copy_(here & (rank_in_expert < rows))
+    local.copy_(torch.where(served, expert, 0))
+    pos.copy_(torch.where(served, rank_in_expert, 0))
+    recv_row.copy_(local * rows + pos)
+    recv_count.copy_(running[-1].clamp(max=rows))
+
+
 def route(ids: torch.Tensor, rank: int, e_local: int):
     """Where each received (source, token, slot) pair goes, from the gathered ids [R*N, k].
 
-    Returns served (bool [R*N, k]: the expert lives on ``rank``), local (int64: its local
-    expert, clamped into range), pos (int64: its row in that expert's [R*N] slice; pairs are
-    numbered in (source, token, slot) order) and recv_count (int32 [E_local])."""
-    local = ids - rank * e_local
-    served = (local >= 0) & (local < e_local)
-    local = local.clamp(0, e_local - 1)
-    hits = (local.view(-1, 1) == torch.arange(e_local, device=ids.device)) & served.view(-1, 1)
-    running = hits.cumsum(0, dtype=torch.int32)                            # [R*N*k, E_local]
-    pos = running.gather(1, local.view(-1, 1)).view(ids.shape).long() - 1
-    rows_per_expert = ids.shape[0]
-    served &= pos < rows_per_expert  # only a token listing one expert twice can overflow
-    return served, local, pos, running[-1].clamp(max=rows_per_expert)
+    Returns, each [R*N, k] and contiguous: served (bool: the pair's expert lives on ``rank``),
+    local (int64: its local expert), pos (int64: its row in that expert's [R*N] slice; pairs are
+    numbered in (source, token, slot) order), recv_row (int64: local * R*N + pos), all 0 where not
+    served; and recv_count (int32 [E_local], rows per local expert). No host sync on CUDA (one
+    Triton program), the torch reference on the CPU."""
+    dev = ids.device
+    served = torch.empty(ids.shape, dtype=torch.bool, device=dev)
+    local, pos, recv_row = (torch.empty(ids.shape, dtype=torch.int64, device=dev) for _ in range(3))
+    recv_count = torch.empty(e_local, dtype=torch.int32, device=dev)
+    (route_triton if ids.is_cuda else route_ref)(ids, rank, e_local, served, local, pos, recv_row, recv_count)
+    return served, local, pos, recv_row, recv_count
 
 
 # ----------------------------------------------------------------- scatter into the masked layout

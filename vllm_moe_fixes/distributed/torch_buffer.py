@@ -397,13 +397,11 @@ class TorchAll2AllBuffer:
                                           return_recv_hook)
         slabs = self._all_gather(ll.pack_slab(x, topk_idx, n, use_fp8, round_scale))  # [R, N, row] bytes
         ids, scales, data = ll.unpack(slabs, topk_idx.shape[1], x.shape[1], use_fp8)
-        served, local, pos, recv_count = ll.route(ids, self.rank, e_local)
+        served, local, pos, recv_row, recv_count = ll.route(ids, self.rank, e_local)
         recv_x = self._ll_receive(data, scales, served, local, pos, e_local)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count
-        rows_per_expert = self.group_size * n
-        handle = _LLHandle(torch.where(served, local * rows_per_expert + pos, 0), served, x.shape[0], n,
-                           x.shape[1], num_experts)
+        handle = _LLHandle(recv_row, served, x.shape[0], n, x.shape[1], num_experts)
         return recv_x, recv_count, handle, None, ((lambda: None) if return_recv_hook else None)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
