@@ -135,6 +135,45 @@ def test_partial_sums_triton_matches_ref(kernel_device, rows, k, e_local, hidden
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("tokens, n, hidden, k, round_scale", [
+    (5, 8, 256, 3, False), (5, 8, 640, 2, True), (0, 4, 256, 1, False), (4, 4, 2048, 8, False),
+    (1, 1, 384, 11, True)])
+def test_pack_fp8_triton_matches_ref(kernel_device, tokens, n, hidden, k, round_scale):
+    g = torch.Generator().manual_seed(tokens * 100 + hidden)
+    x = torch.randn(tokens, hidden, generator=g) * torch.logspace(-3, 3, hidden // 128).repeat_interleave(128)
+    if tokens:
+        x[0, :128] = 0  # an all-zero group: amax takes the floor
+    x = x.to(torch.bfloat16).to(kernel_device)
+    ids = _ids(hidden, max(tokens, 1), k, 16, kernel_device)[:tokens].contiguous()
+    scales_at, data_at, row = ll.row_layout(k, hidden, True)
+
+    def fields(slab):
+        return (slab[:, :scales_at].view(torch.int64), slab[:, scales_at:data_at].view(torch.float32),
+                slab[:, data_at:data_at + hidden].view(torch.float8_e4m3fn))
+
+    got = torch.full((n, row), 0x7F, dtype=torch.uint8, device=kernel_device)
+    want = got.clone()
+    ll.pack_fp8_triton(x, ids, *fields(got), round_scale)
+    ll.pack_fp8_ref(x, ids, *fields(want), round_scale)
+    assert torch.equal(got, want)
+    if round_scale and tokens:
+        s = fields(got)[1][:tokens]
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+
+
+def test_ll_quant_round_scale_is_the_next_power_of_two():
+    """scale_inv = 2**ceil(log2(amax * float32(1/448))), also just above a power of two (where a
+    float32 log2 would round down onto the power)."""
+    amax = torch.tensor([3.5, 3.5 * (1 + 2**-7), 1344.0, 1e-6]).to(torch.bfloat16)
+    rows = torch.zeros(4, 128, dtype=torch.bfloat16)
+    rows[:, 5] = -amax
+    _, s = ll.ll_quant(rows, round_scale=True)
+    v = amax.float().clamp(min=ll.LL_AMAX_FLOOR) * (1.0 / 448)  # float32, as the kernel computes it
+    want = torch.exp2(torch.ceil(torch.log2(v.double()))).float()
+    assert torch.equal(s[:, 0], want)
+    assert s[1, 0] == 2 * s[0, 0] or s[0, 0] > 2.0**-7  # the step above the power is taken
+
+
 def test_pack_and_unpack_round_trip():
     x = (torch.randn(3, 256) * 3).to(torch.bfloat16)
     ids = torch.tensor([[0, 5], [-1, 2], [7, 7]])

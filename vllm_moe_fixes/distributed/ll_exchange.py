@@ -3,7 +3,8 @@ host synchronisation (every size is known on the host before the call; every pos
 on the device).
 
     pack_slab      x bf16 [T, H], ids int64 [T, k] -> this rank's message, uint8 [N, row]:
-                   per token (ids | fp8 scales | data), rows T..N-1 carry ids -1
+                   per token (ids | fp8 scales | data), rows T..N-1 carry ids -1; with fp8 one
+                   Triton program per (row, 8 groups) casts as DeepEP does
     (all-gather)   -> [R, N, row]
     route          gathered ids [R*N, k] -> per (source, token, slot) pair: served here, local
                    expert, row in that expert's [R*N] slice (numbered by a cumulative sum, in
@@ -15,7 +16,7 @@ on the device).
                    over the slots served here, float32 [R*N, H]; one Triton program per
                    (row, columns) tile reads only the served rows
 
-``route``, ``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors (int64 offsets) and
+``pack_slab`` (fp8), ``route``, ``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors (int64 offsets) and
 their torch references (``*_ref``) on CPU tensors; the tests compare the two.
 """
 
@@ -26,31 +27,93 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, align_up
-from vllm_moe_fixes.ops.fp8_quant import next_power_of_2
+from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2
+from vllm_moe_fixes.ops.fp8_quant import _round_to_e4m3_grid as round_to_e4m3_grid
 
 # DeepEP's low-latency cast floors amax at this margin, so an all-zero group gets a finite scale.
 LL_AMAX_FLOOR = 1e-4
+_AMAX_FLOOR = tl.constexpr(LL_AMAX_FLOOR)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)
+_GROUP = tl.constexpr(SCALE_BLOCK)
 # Byte alignment of a slab row (its int64 ids and float32 scales need 8 and 4).
 ROW_ALIGN = 16
 
 
 # ----------------------------------------------------------------- the message
 def ll_quant(rows: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's low-latency FP8 cast of bf16 rows [P, H]: per 1x128 group, amax floored at 1e-4,
-    scale = 448 / amax, q = saturate(x * scale) rounded to nearest even, scale_inv = amax * (1/448)
-    (round_scale: scale_inv rounded up to a power of two and scale = 1 / scale_inv).
+    """DeepEP's low-latency FP8 cast of bf16 rows [P, H] (torch): per 1x128 group, amax floored at
+    1e-4, scale = 448 / amax, q = saturate(x * scale) rounded to nearest even, scale_inv =
+    amax * (1/448); round_scale: scale_inv = 2**ceil(log2(amax * (1/448))) taken on the bits (a
+    non-zero mantissa carries into the exponent) and scale = 1 / scale_inv.
     Returns (float8_e4m3fn [P, H], float32 scale_inv [P, H/128])."""
     p, h = rows.shape
     g = rows.float().view(p, h // SCALE_BLOCK, SCALE_BLOCK)
     amax = g.abs().amax(-1).clamp(min=LL_AMAX_FLOOR)
+    scale_inv = amax * (1.0 / FP8_MAX)
     if round_scale:
-        scale_inv = torch.exp2(torch.ceil(torch.log2(amax * (1.0 / FP8_MAX))))
+        scale_inv = ((scale_inv.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
         scale = 1.0 / scale_inv
     else:
-        scale_inv = amax * (1.0 / FP8_MAX)
         scale = torch.full_like(amax, FP8_MAX) / amax  # one correctly rounded division, as DeepEP
     q = (g * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(p, h), scale_inv
+
+
+@triton.jit
+def _pack_fp8_kernel(x_ptr, ids_ptr, slab_ids_ptr, slab_s_ptr, slab_q_ptr, num_tokens, num_groups,
+                     x_stride, ids_stride, slab_ids_stride, slab_s_stride, slab_q_stride,
+                     TOPK: tl.constexpr, TOPK_POW2: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                     ROUND_SCALE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # slab row; rows >= num_tokens are padding
+    is_token = r < num_tokens
+    if tl.program_id(1) == 0:  # the row's ids, -1 on padding rows
+        j = tl.arange(0, TOPK_POW2)
+        ids = tl.load(ids_ptr + r * ids_stride + j, mask=j < tl.where(is_token, TOPK, 0), other=-1)
+        tl.store(slab_ids_ptr + r * slab_ids_stride + j, ids, mask=j < TOPK)
+    if is_token:
+        groups = tl.program_id(1).to(tl.int64) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+        valid = groups < num_groups
+        cols = groups[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
+        x = tl.load(x_ptr + r * x_stride + cols, mask=valid[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+        scale_inv = amax * _INV_FP8_MAX
+        if ROUND_SCALE:  # 2**ceil(log2(.)) on the bits, as ll_quant
+            scale_inv = ((scale_inv.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(
+                tl.float32, bitcast=True)
+            scale = tl.math.div_rn(tl.zeros_like(amax) + 1.0, scale_inv)
+        else:
+            scale = tl.math.div_rn(tl.zeros_like(amax) + _FP8_MAX, amax)
+        q = tl.minimum(tl.maximum(x * scale[:, None], -_FP8_MAX), _FP8_MAX)
+        if ROUND_IN_FP32:  # interpreter only: its e4m3 cast rounds wrongly at some carries
+            q = round_to_e4m3_grid(q)
+        tl.store(slab_q_ptr + r * slab_q_stride + cols, q.to(slab_q_ptr.dtype.element_ty), mask=valid[:, None])
+        tl.store(slab_s_ptr + r * slab_s_stride + groups, scale_inv, mask=valid)
+
+
+def pack_fp8_triton(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Tensor, slab_scales: torch.Tensor,
+                    slab_q: torch.Tensor, round_scale: bool) -> None:
+    """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1): x bf16
+    [T, H] and topk_idx int64 [T, k] (unit column strides); the slab's fields int64 [N, k],
+    float32 [N, H/128] and float8_e4m3fn [N, H] (unit column strides), all written."""
+    n, num_groups = slab_scales.shape
+    groups_per_prog = min(8, next_power_of_2(num_groups))
+    topk = topk_idx.shape[1]
+    grid = (n, triton.cdiv(num_groups, groups_per_prog))
+    _pack_fp8_kernel[grid](x, topk_idx, slab_ids, slab_scales, slab_q, x.shape[0], num_groups,
+                           x.stride(0), topk_idx.stride(0), slab_ids.stride(0), slab_scales.stride(0),
+                           slab_q.stride(0), TOPK=topk, TOPK_POW2=next_power_of_2(topk),
+                           GROUPS_PER_PROG=groups_per_prog, ROUND_SCALE=round_scale,
+                           ROUND_IN_FP32=INTERPRETING, num_warps=4)
+
+
+def pack_fp8_ref(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Tensor, slab_scales: torch.Tensor,
+                 slab_q: torch.Tensor, round_scale: bool) -> None:
+    """torch reference of ``pack_fp8_triton`` (same arguments, same result)."""
+    t = x.shape[0]
+    slab_ids[:t] = topk_idx
+    slab_ids[t:] = -1
+    slab_q[:t], slab_scales[:t] = ll_quant(x, round_scale)
 
 
 def row_layout(k: int, h: int, use_fp8: bool) -> tuple[int, int, int]:
@@ -62,19 +125,19 @@ def row_layout(k: int, h: int, use_fp8: bool) -> tuple[int, int, int]:
 
 def pack_slab(x: torch.Tensor, topk_idx: torch.Tensor, n: int, use_fp8: bool, round_scale: bool) -> torch.Tensor:
     """This rank's message, uint8 [N, row]: per token its ids, scales (fp8 only) and data; rows
-    T..N-1 carry ids -1 and nothing else."""
+    T..N-1 carry ids -1 and nothing else. With fp8, one Triton kernel on CUDA (the torch
+    reference on the CPU) quantises and packs."""
     t, k = topk_idx.shape
     h = x.shape[1]
     scales_at, data_at, row = row_layout(k, h, use_fp8)
     slab = torch.empty(n, row, dtype=torch.uint8, device=x.device)
     ids = slab[:, :scales_at].view(torch.int64)
-    ids[:t] = topk_idx
-    ids[t:] = -1
     if use_fp8:
-        q, s = ll_quant(x, round_scale)
-        slab[:t, scales_at:data_at] = s.view(torch.uint8)
-        slab[:t, data_at:data_at + h] = q.view(torch.uint8)
+        fields = (ids, slab[:, scales_at:data_at].view(torch.float32), slab[:, data_at:data_at + h].view(FP8_DTYPE))
+        (pack_fp8_triton if x.is_cuda else pack_fp8_ref)(x, topk_idx, *fields, round_scale)
     else:
+        ids[:t] = topk_idx
+        ids[t:] = -1
         slab[:t, data_at:data_at + 2 * h] = x.view(torch.uint8)
     return slab
 
