@@ -867,3 +867,20 @@ def test_gpu_chunked_layer_matches_reference(monkeypatch):
     out = run(new_kernel(), p, E)
     check_close(out, reference(p))
     assert calc_diff(out, one_pass) < 1e-6
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_call_peaks_at_one_chunks_workspaces(monkeypatch):
+    """M = 20000 tokens in chunks of 4096: the peak is one chunk's workspaces and quantised input
+    plus the whole [M, K] output, not the workspaces of 20000 tokens."""
+    from vllm_moe_fixes._memory import peak_memory
+    E, k, M, N, K, chunk = 8, 8, 20000, 256, 1024, 4096
+    monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", str(chunk))
+    p = make_problem(M, k, E, N, K, device="cuda", seed=7)
+    run(new_kernel(), p, E)  # compile outside the measurement
+    torch.cuda.empty_cache()
+    with peak_memory() as peak:
+        run(new_kernel(), p, E)
+    expected = layer_declared_bytes(chunk, N, K, k, E) - 2 * chunk * K + 2 * M * K
+    assert expected <= peak.bytes <= 1.05 * expected, (peak.bytes, expected)
+    assert peak.bytes < 0.5 * layer_declared_bytes(M, N, K, k, E)
