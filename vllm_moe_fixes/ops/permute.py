@@ -27,7 +27,8 @@ expert into counts [n_chunks, E_l] (sums of a one-hot [CHUNK, BLOCK_E] matrix). 
 program per chunk, sums the counts over all chunks (segment sizes, hence 128-aligned segment
 starts by a cumulative sum) and over the earlier chunks (its slots' offset inside each segment),
 ranks its slots within the chunk by a cumulative sum of the one-hot matrix, and writes dest,
-src_row and m_indices of its slots' rows. Padding rows are written by one program each: the up to
+src_row and m_indices of its slots' rows. Up to SINGLE_PROGRAM_SLOTS slots (decode) there is one
+chunk, whose program counts its own slots: kernel 1 is not launched. Padding rows are written by one program each: the up to
 127 rows closing expert e's segment by program e % n_chunks, the tail after the last segment in a
 grid-strided loop. Every row is written exactly once. Each program loads n_chunks * E_l counts;
 CHUNK grows with the slot count so that n_chunks stays near 256 or below.
@@ -64,10 +65,16 @@ class ContiguousLayout:
     dest: torch.Tensor
 
 
+SINGLE_PROGRAM_SLOTS = 2048  # up to this many slots, one program builds the whole layout
+
+
 def layout_chunk(num_slots: int, local_num_experts: int) -> int:
     """Slots per program of the layout kernels: a power of two >= max(128, E_l) and large enough
-    that there are at most ~256 chunks (so counts [n_chunks, E_l] has at most M_sum entries)."""
-    return max(128, next_power_of_2(max(local_num_experts, -(-num_slots // 256), 1)))
+    that there are at most ~256 chunks (so counts [n_chunks, E_l] has at most M_sum entries);
+    all of them when there are at most SINGLE_PROGRAM_SLOTS."""
+    if num_slots <= SINGLE_PROGRAM_SLOTS:
+        return max(128, next_power_of_2(max(local_num_experts, num_slots)))
+    return max(128, next_power_of_2(max(local_num_experts, -(-num_slots // 256))))
 
 
 def layout_num_chunks(num_slots: int, local_num_experts: int) -> int:
@@ -125,8 +132,10 @@ def _layout_count_kernel(ids_ptr, map_ptr, counts_ptr, num_slots, k, stride_m, s
 def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, dest_ptr, num_slots,
                            k, stride_m, stride_k, E, E_l, n_chunks, M_sum,
                            HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Rows of chunk c's slots, and the padding rows this program owns (module docstring)."""
+                           BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                           COUNT_HERE: tl.constexpr):
+    """Rows of chunk c's slots, and the padding rows this program owns (module docstring).
+    COUNT_HERE: the only program counts its own slots (no counts from the first kernel)."""
     c = tl.program_id(0)
     slots = c * CHUNK + tl.arange(0, CHUNK)
     loc = _local_ids(ids_ptr, map_ptr, slots, num_slots, k, stride_m, stride_k, E, E_l, HAS_MAP)
@@ -135,20 +144,23 @@ def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, des
     pad = tl.arange(0, _ALIGN)
     for e0 in range(0, E_l, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
-        total = tl.zeros([BLOCK_E], tl.int32)
+        hits = loc[:, None] == e[None, :]
+        rank = tl.cumsum(hits.to(tl.int32), axis=0)  # 1-based rank within this chunk
         before = tl.zeros([BLOCK_E], tl.int32)  # slots of expert e in chunks < c
-        for c0 in range(0, n_chunks, BLOCK_C):
-            cc = c0 + tl.arange(0, BLOCK_C)
-            cnt = tl.load(counts_ptr + cc[:, None] * E_l + e[None, :],
-                          mask=(cc < n_chunks)[:, None] & (e < E_l)[None, :], other=0)
-            total += tl.sum(cnt, axis=0)
-            before += tl.sum(tl.where((cc < c)[:, None], cnt, 0), axis=0)
+        if COUNT_HERE:
+            total = tl.sum(hits.to(tl.int32), axis=0)
+        else:
+            total = tl.zeros([BLOCK_E], tl.int32)
+            for c0 in range(0, n_chunks, BLOCK_C):
+                cc = c0 + tl.arange(0, BLOCK_C)
+                cnt = tl.load(counts_ptr + cc[:, None] * E_l + e[None, :],
+                              mask=(cc < n_chunks)[:, None] & (e < E_l)[None, :], other=0)
+                total += tl.sum(cnt, axis=0)
+                before += tl.sum(tl.where((cc < c)[:, None], cnt, 0), axis=0)
         padded = (total + _ALIGN - 1) // _ALIGN * _ALIGN
         start = seg_end + tl.cumsum(padded, axis=0) - padded
         seg_end += tl.sum(padded, axis=0)
-        # dest = segment start + earlier chunks' slots + rank within this chunk (1-based - 1).
-        hits = loc[:, None] == e[None, :]
-        rank = tl.cumsum(hits.to(tl.int32), axis=0)
+        # dest = segment start + earlier chunks' slots + rank within this chunk - 1.
         dest += tl.sum(tl.where(hits, (start + before)[None, :] + rank, 0), axis=1)
         # The padding closing each segment: rows [start + total, start + padded) of the experts
         # this program owns (e % n_chunks == c).
@@ -187,12 +199,14 @@ def build_contiguous_layout_triton(topk_ids: torch.Tensor, local_num_experts: in
     E = expert_map.shape[0] if has_map else E_l
     common = (topk_ids, emap, counts)
     args = (num_slots, k, topk_ids.stride(0), topk_ids.stride(1), E, E_l)
-    _layout_count_kernel[(n_chunks,)](*common, *args, HAS_MAP=has_map, CHUNK=chunk,
-                                      BLOCK_E=block_e, num_warps=num_warps)
+    if n_chunks > 1:
+        _layout_count_kernel[(n_chunks,)](*common, *args, HAS_MAP=has_map, CHUNK=chunk,
+                                          BLOCK_E=block_e, num_warps=num_warps)
     _layout_scatter_kernel[(n_chunks,)](
         *common, layout.m_indices, layout.src_row, layout.dest, *args, n_chunks,
         layout.m_indices.shape[0], HAS_MAP=has_map, CHUNK=chunk, BLOCK_E=block_e,
-        BLOCK_C=min(64, next_power_of_2(n_chunks)), BLOCK_R=1024, num_warps=num_warps)
+        BLOCK_C=min(64, next_power_of_2(n_chunks)), BLOCK_R=1024, COUNT_HERE=n_chunks == 1,
+        num_warps=num_warps)
 
 
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
