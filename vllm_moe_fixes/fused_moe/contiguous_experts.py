@@ -1,10 +1,10 @@
 """Experts over the expert-contiguous layout: DeepGEMM or Triton grouped FP8 GEMMs.
 
-`TritonExperts` and `DeepGemmExperts` share everything but the GEMM call. One `apply`, seven
-launches besides the two GEMMs' own:
+`TritonExperts` and `DeepGemmExperts` share everything but the GEMM call. One `apply`, four or
+five launches besides the two GEMMs:
 
     step                      reads                    writes (inside the two workspaces)
-    layout (2 kernels)        topk_ids [M, k]          int32 index vectors       (tail of ws2)
+    layout (1 or 2 kernels)   topk_ids [M, k]          int32 index vectors       (tail of ws2)
     permute a1q               a1q [M, K] fp8           A  fp8 [M_sum, K] + scales  (ws13 bytes)
     GEMM1 (w1)                A                        H  bf16 [M_sum, 2N]         (ws2)
     silu_and_mul + requant    H                        G' fp8 [M_sum, N] + scales  (ws13 bytes)
