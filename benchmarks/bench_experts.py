@@ -2,9 +2,11 @@
 
 Run from the repository root on a GPU:
 
-    python -m benchmarks.bench_experts               # all tables -> benchmarks/results/experts.json
+    python -m benchmarks.bench_experts               # all three tables, JSON in benchmarks/results/
     python -m benchmarks.bench_experts --m 128 1024     # a subset of token counts
-    python -m benchmarks.bench_experts --skip-chunks --skip-batched
+    python -m benchmarks.bench_experts --skip-layer --skip-batched    # only the chunk sweep
+
+Each table writes its own JSON: experts.json (layer), experts_chunks.json, experts_batched.json.
 
 DeepSeek-V3 shapes on one rank: K=7168, I=2048, E_l=8 local experts, top-8 routing spread over
 them. Columns of the layer table, per backend and M:
@@ -14,6 +16,7 @@ them. Columns of the layer table, per backend and M:
   us          triton.testing.do_bench median (GPU time; the L2 is flushed between calls)
   gemms_us    the two grouped GEMM calls alone on the same layout and workspaces (do_bench)
   overhead    (us - gemms_us) / gemms_us: what the layer costs beyond its GEMMs
+  tflops      useful TFLOP/s of the layer (2 * M * k * 3 * I * K / us), gemms_tflops the GEMMs
   kernels     CUDA kernels per call (torch.profiler)
   host_us     host time per eager call (launch loop without synchronisation, best of 5)
   graph_us    per call under CUDA-graph replay; graph_gemms_us: the two GEMMs alone, replayed
@@ -163,6 +166,8 @@ def bench_layer(name, make_experts, w, m_values):
         row = dict(backend=name, M=M, loop_us=loop_us(layer, calls), us=bench_us(layer, [()]),
                    gemms_us=bench_us(gemms, [()]))
         row["overhead"] = (row["us"] - row["gemms_us"]) / row["gemms_us"]
+        flop = 2 * M * TOPK * 3 * I * K  # the useful GEMM work: 3 I x K matrices per slot
+        row.update(tflops=flop / row["us"] / 1e6, gemms_tflops=flop / row["gemms_us"] / 1e6)
         row.update(kernels=kernels_per_call(layer), host_us=host_us(layer, [()], calls=calls),
                    graph_us=graph_us(layer, [()], calls=max(1, 1024 // M)),
                    graph_gemms_us=graph_us(gemms, [()], calls=max(1, 1024 // M)),
@@ -234,6 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--m", type=int, nargs="+", default=[128, 1024, 8192])
     parser.add_argument("--batched-tokens", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--skip-layer", action="store_true", help="no layer table")
     parser.add_argument("--skip-chunks", action="store_true", help="no chunk-size sweep")
     parser.add_argument("--skip-batched", action="store_true", help="no batched-experts table")
     args = parser.parse_args()
@@ -242,24 +248,26 @@ def main() -> None:
     backends = [("triton", TritonExperts, BatchedTritonExperts)]
     if dg.is_available():
         backends.append(("deep_gemm", DeepGemmExperts, BatchedDeepGemmExperts))
+    shape = dict(K=K, I=I, E_local=E_L, topk=TOPK)
+    tables = []
     w = make_weights(E_L)
-    layer = [r for name, cls, _ in backends for r in bench_layer(name, cls, w, args.m)]
-    chunks = [] if args.skip_chunks else \
-        [r for name, cls, _ in backends for r in bench_chunk_sizes(name, cls, w)]
+    if not args.skip_layer:
+        layer = [r for name, cls, _ in backends for r in bench_layer(name, cls, w, args.m)]
+        tables.append(("layer", "experts", layer))
+    if not args.skip_chunks:
+        chunks = [r for name, cls, _ in backends for r in bench_chunk_sizes(name, cls, w)]
+        tables.append(("chunk sizes", "experts_chunks", chunks))
     del w
-    batched = []
     if not args.skip_batched:
         wb = make_weights(BATCHED_E, seed=1)
         batched = [r for name, _, cls in backends
                    for r in bench_batched(name, cls, wb, args.batched_tokens)]
-    for title, rows in (("layer", layer), ("chunk sizes", chunks), ("batched experts", batched)):
-        if rows:
-            print(f"\n{title}")
-            print_table(rows, list(rows[0]))
-    write_json("experts", dict(shape=dict(K=K, I=I, E_local=E_L, topk=TOPK,
-                                          batched_experts=BATCHED_E, batched_T=BATCHED_T),
-                               deep_gemm=dg.is_available(), layer=layer, chunk_sizes=chunks,
-                               batched=batched))
+        tables.append(("batched experts", "experts_batched", batched))
+        shape.update(batched_experts=BATCHED_E, batched_T=BATCHED_T)
+    for title, json_name, rows in tables:
+        print(f"\n{title}")
+        print_table(rows, list(rows[0]))
+        write_json(json_name, dict(shape=shape, deep_gemm=dg.is_available(), results=rows))
 
 
 if __name__ == "__main__":
