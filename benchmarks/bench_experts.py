@@ -118,6 +118,7 @@ def anchor_layer(x, w, weights, ids, gemm):
     """The unfused torch path on the same GEMMs: every intermediate a new tensor."""
     w1, w1s, w2, w2s = w
     M, k = ids.shape
+    hidden = x.shape[1]
     a_q, a_s = per_token_group_quant_fp8(x, 128)
     lay = build_contiguous_layout_ref(ids, w1.shape[0], None)
     src = lay.src_row.long().clamp(min=0)
@@ -129,10 +130,10 @@ def anchor_layer(x, w, weights, ids, gemm):
     gemm((a_p, a_ps), (w1, w1s), h, m_idx)
     g_q, g_s = per_token_group_quant_fp8(silu_and_mul(h), 128, column_major_scales=True,
                                          tma_aligned_scales=True)
-    y = torch.empty(a_p.shape[0], K, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(a_p.shape[0], hidden, dtype=torch.bfloat16, device=x.device)
     gemm((g_q, g_s), (w2, w2s), y, m_idx)
     rows = torch.where((lay.dest >= 0).unsqueeze(1), y[lay.dest.long().clamp(min=0)], 0)
-    return moe_sum(rows.view(M, k, K), topk_weights=weights)
+    return moe_sum(rows.view(M, k, hidden), topk_weights=weights)
 
 
 def gemms_alone(kernel, experts, w, M):
