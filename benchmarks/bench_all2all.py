@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_all2all                   # world size 1 (one GPU)
     python -m benchmarks.bench_all2all --world-size 2    # one process per GPU, spawned here
-    python -m benchmarks.bench_all2all --smoke           # tiny shapes on gloo/CPU (checks the script)
+    python -m benchmarks.bench_all2all --smoke           # tiny shapes on gloo/CPU (a check)
 
 Per rank: T tokens (1, 32, 128) of hidden 7168, top-8 of 32 experts, both buffers sized for
 N = 128 tokens per rank. For each backend (naive; DeepEP low-latency when deep_ep imports, built by
@@ -135,14 +135,13 @@ def _bench(rank, world, args):
 
 def _ratios(rows) -> list[dict]:
     """naive / DeepEP of dispatch + combine per token count and timing mode."""
-    by = {(r["backend"], r["tokens"]): r for r in rows}
+    deepep = {r["tokens"]: r for r in rows if r["backend"] == "deepep"}
     out = []
-    for (backend, tokens), naive in by.items():
-        deepep = by.get(("deepep", tokens))
-        if backend != "naive" or deepep is None:
-            continue
-        out.append({"tokens": tokens, **{f"{mode} d+c naive/DeepEP": naive[f"{mode} d+c us"] / deepep[f"{mode} d+c us"]
-                                         for mode in ("eager", "graph") if f"{mode} d+c us" in naive}})
+    for naive in (r for r in rows if r["backend"] == "naive" and r["tokens"] in deepep):
+        ref = deepep[naive["tokens"]]
+        ratio = {f"{mode} d+c naive/DeepEP": naive[f"{mode} d+c us"] / ref[f"{mode} d+c us"]
+                 for mode in ("eager", "graph") if f"{mode} d+c us" in naive}
+        out.append({"tokens": naive["tokens"], **ratio})
     return out
 
 
@@ -152,10 +151,12 @@ def main():
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=128, help="N, tokens per rank the buffers take")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="N, tokens per rank the buffers take")
     p.add_argument("--calls", type=int, default=20, help="calls per timed loop / per graph")
     p.add_argument("--reps", type=int, default=20, help="graph replays")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on gloo/CPU, naive only, eager only")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes on gloo/CPU, naive only, eager only")
     args = p.parse_args()
     if args.world_size < 1:
         p.error(f"--world-size {args.world_size} must be >= 1")
@@ -164,11 +165,14 @@ def main():
         args.hidden, args.experts, args.max_tokens, args.calls = 2048, 8 * args.world_size, 8, 2
         args.tokens = SMOKE_TOKENS
     elif torch.cuda.device_count() < args.world_size:
-        p.error(f"--world-size {args.world_size} needs that many GPUs; {torch.cuda.device_count()} visible")
-    rows = run_distributed(_bench, args.world_size, args, backend="gloo" if args.smoke else "nccl")[0]
+        p.error(f"--world-size {args.world_size} needs that many GPUs; "
+                f"{torch.cuda.device_count()} visible")
+    backend = "gloo" if args.smoke else "nccl"
+    rows = run_distributed(_bench, args.world_size, args, backend=backend)[0]
 
     print(f"low-latency all-to-all, world size {args.world_size}, hidden {args.hidden}, "
-          f"top-{args.topk} of {args.experts} experts, N={args.max_tokens} (us per call, slowest rank)")
+          f"top-{args.topk} of {args.experts} experts, N={args.max_tokens} "
+          "(us per call, slowest rank)")
     print_table(rows, list(rows[0]))
     ratios = _ratios(rows)
     if ratios:

@@ -16,8 +16,8 @@ on the device).
                    over the slots served here, float32 [R*N, H]; one Triton program per
                    (row, columns) tile reads only the served rows
 
-``pack_slab`` (fp8), ``route``, ``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors (int64 offsets) and
-their torch references (``*_ref``) on CPU tensors; the tests compare the two.
+``pack_slab`` (fp8), ``route``, ``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors
+(int64 offsets) and their torch references (``*_ref``) on CPU tensors; the tests compare the two.
 """
 
 from __future__ import annotations
@@ -87,12 +87,13 @@ def _pack_fp8_kernel(x_ptr, ids_ptr, slab_ids_ptr, slab_s_ptr, slab_q_ptr, num_t
         q = tl.minimum(tl.maximum(x * scale[:, None], -_FP8_MAX), _FP8_MAX)
         if ROUND_IN_FP32:  # interpreter only: its e4m3 cast rounds wrongly at some carries
             q = round_to_e4m3_grid(q)
-        tl.store(slab_q_ptr + r * slab_q_stride + cols, q.to(slab_q_ptr.dtype.element_ty), mask=valid[:, None])
+        tl.store(slab_q_ptr + r * slab_q_stride + cols, q.to(slab_q_ptr.dtype.element_ty),
+                 mask=valid[:, None])
         tl.store(slab_s_ptr + r * slab_s_stride + groups, scale_inv, mask=valid)
 
 
-def pack_fp8_triton(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Tensor, slab_scales: torch.Tensor,
-                    slab_q: torch.Tensor, round_scale: bool) -> None:
+def pack_fp8_triton(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Tensor,
+                    slab_scales: torch.Tensor, slab_q: torch.Tensor, round_scale: bool) -> None:
     """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1): x bf16
     [T, H] and topk_idx int64 [T, k] (unit column strides); the slab's fields int64 [N, k],
     float32 [N, H/128] and float8_e4m3fn [N, H] (unit column strides), all written."""
@@ -101,14 +102,14 @@ def pack_fp8_triton(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Ten
     topk = topk_idx.shape[1]
     grid = (n, triton.cdiv(num_groups, groups_per_prog))
     _pack_fp8_kernel[grid](x, topk_idx, slab_ids, slab_scales, slab_q, x.shape[0], num_groups,
-                           x.stride(0), topk_idx.stride(0), slab_ids.stride(0), slab_scales.stride(0),
-                           slab_q.stride(0), TOPK=topk, TOPK_POW2=next_power_of_2(topk),
-                           GROUPS_PER_PROG=groups_per_prog, ROUND_SCALE=round_scale,
-                           ROUND_IN_FP32=INTERPRETING, num_warps=4)
+                           x.stride(0), topk_idx.stride(0), slab_ids.stride(0),
+                           slab_scales.stride(0), slab_q.stride(0), TOPK=topk,
+                           TOPK_POW2=next_power_of_2(topk), GROUPS_PER_PROG=groups_per_prog,
+                           ROUND_SCALE=round_scale, ROUND_IN_FP32=INTERPRETING, num_warps=4)
 
 
-def pack_fp8_ref(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Tensor, slab_scales: torch.Tensor,
-                 slab_q: torch.Tensor, round_scale: bool) -> None:
+def pack_fp8_ref(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Tensor,
+                 slab_scales: torch.Tensor, slab_q: torch.Tensor, round_scale: bool) -> None:
     """torch reference of ``pack_fp8_triton`` (same arguments, same result)."""
     t = x.shape[0]
     slab_ids[:t] = topk_idx
@@ -123,7 +124,8 @@ def row_layout(k: int, h: int, use_fp8: bool) -> tuple[int, int, int]:
     return scales_at, data_at, align_up(data_at + h * (1 if use_fp8 else 2), ROW_ALIGN)
 
 
-def pack_slab(x: torch.Tensor, topk_idx: torch.Tensor, n: int, use_fp8: bool, round_scale: bool) -> torch.Tensor:
+def pack_slab(x: torch.Tensor, topk_idx: torch.Tensor, n: int, use_fp8: bool,
+              round_scale: bool) -> torch.Tensor:
     """This rank's message, uint8 [N, row]: per token its ids, scales (fp8 only) and data; rows
     T..N-1 carry ids -1 and nothing else. With fp8, one Triton kernel on CUDA (the torch
     reference on the CPU) quantises and packs."""
@@ -133,7 +135,8 @@ def pack_slab(x: torch.Tensor, topk_idx: torch.Tensor, n: int, use_fp8: bool, ro
     slab = torch.empty(n, row, dtype=torch.uint8, device=x.device)
     ids = slab[:, :scales_at].view(torch.int64)
     if use_fp8:
-        fields = (ids, slab[:, scales_at:data_at].view(torch.float32), slab[:, data_at:data_at + h].view(FP8_DTYPE))
+        fields = (ids, slab[:, scales_at:data_at].view(torch.float32),
+                  slab[:, data_at:data_at + h].view(FP8_DTYPE))
         (pack_fp8_triton if x.is_cuda else pack_fp8_ref)(x, topk_idx, *fields, round_scale)
     else:
         ids[:t] = topk_idx
@@ -148,7 +151,8 @@ def unpack(slabs: torch.Tensor, k: int, h: int, use_fp8: bool):
     scales_at, data_at, row = row_layout(k, h, use_fp8)
     flat = slabs.view(-1, row)
     scales = flat[:, scales_at:data_at].view(torch.float32) if use_fp8 else None
-    return flat[:, :scales_at].view(torch.int64), scales, flat[:, data_at:data_at + h * (1 if use_fp8 else 2)]
+    data = flat[:, data_at:data_at + h * (1 if use_fp8 else 2)]
+    return flat[:, :scales_at].view(torch.int64), scales, data
 
 
 def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -160,16 +164,17 @@ def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------- routing
 @triton.jit
-def _route_kernel(ids_ptr, served_ptr, local_ptr, pos_ptr, row_ptr, count_ptr, num_pairs, ids_stride_row,
-                  first_expert, e_local, rows_per_expert, TOPK: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
+def _route_kernel(ids_ptr, served_ptr, local_ptr, pos_ptr, row_ptr, count_ptr, num_pairs,
+                  ids_stride_row, first_expert, e_local, rows_per_expert, TOPK: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     # One program walks the pairs in order, BLOCK_P at a time, carrying each expert's count.
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
         pairs = p0 + tl.arange(0, BLOCK_P).to(tl.int64)
         in_range = pairs < num_pairs
-        ids = tl.load(ids_ptr + (pairs // TOPK) * ids_stride_row + pairs % TOPK, mask=in_range, other=-1)
+        ids = tl.load(ids_ptr + (pairs // TOPK) * ids_stride_row + pairs % TOPK, mask=in_range,
+                      other=-1)
         local = ids - first_expert
         served = in_range & (local >= 0) & (local < e_local)
         hits = (local[:, None] == e[None, :]) & served[:, None]
@@ -186,16 +191,17 @@ def _route_kernel(ids_ptr, served_ptr, local_ptr, pos_ptr, row_ptr, count_ptr, n
     tl.store(count_ptr + e, tl.minimum(counts, rows_per_expert), mask=e < e_local)
 
 
-def route_triton(ids: torch.Tensor, rank: int, e_local: int, served: torch.Tensor, local: torch.Tensor,
-                 pos: torch.Tensor, recv_row: torch.Tensor, recv_count: torch.Tensor) -> None:
+def route_triton(ids: torch.Tensor, rank: int, e_local: int, served: torch.Tensor,
+                 local: torch.Tensor, pos: torch.Tensor, recv_row: torch.Tensor,
+                 recv_count: torch.Tensor) -> None:
     """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1): ids int64
     [R*N, k] with unit column stride; the outputs as ``route`` returns them, contiguous."""
     rows, topk = ids.shape
     block_e = next_power_of_2(e_local)
     block_p = max(16, 4096 // block_e)
-    _route_kernel[(1,)](ids, served.view(torch.uint8), local, pos, recv_row, recv_count, rows * topk,
-                        ids.stride(0), rank * e_local, e_local, rows, TOPK=topk, BLOCK_P=block_p,
-                        BLOCK_E=block_e, num_warps=4)
+    _route_kernel[(1,)](ids, served.view(torch.uint8), local, pos, recv_row, recv_count,
+                        rows * topk, ids.stride(0), rank * e_local, e_local, rows, TOPK=topk,
+                        BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
 
 
 def route_ref(ids: torch.Tensor, rank: int, e_local: int, served: torch.Tensor, local: torch.Tensor,
@@ -227,7 +233,8 @@ def route(ids: torch.Tensor, rank: int, e_local: int):
     served = torch.empty(ids.shape, dtype=torch.bool, device=dev)
     local, pos, recv_row = (torch.empty(ids.shape, dtype=torch.int64, device=dev) for _ in range(3))
     recv_count = torch.empty(e_local, dtype=torch.int32, device=dev)
-    (route_triton if ids.is_cuda else route_ref)(ids, rank, e_local, served, local, pos, recv_row, recv_count)
+    launch = route_triton if ids.is_cuda else route_ref
+    launch(ids, rank, e_local, served, local, pos, recv_row, recv_count)
     return served, local, pos, recv_row, recv_count
 
 
@@ -245,12 +252,13 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, served_ptr, local_ptr, pos_ptr, num_p
     mask = served[:, None] & (cols < width)[None, :]
     # Pair p carries source row p // TOPK; pairs served elsewhere neither read nor write.
     src = src_ptr + (pairs // TOPK)[:, None] * src_stride_row + cols[None, :] * src_stride_col
-    dst = dst_ptr + (local * dst_stride_expert + pos * dst_stride_row)[:, None] + cols[None, :] * dst_stride_col
+    dst_rows = local * dst_stride_expert + pos * dst_stride_row
+    dst = dst_ptr + dst_rows[:, None] + cols[None, :] * dst_stride_col
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
-def scatter_rows_triton(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor, local: torch.Tensor,
-                        pos: torch.Tensor) -> None:
+def scatter_rows_triton(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor,
+                        local: torch.Tensor, pos: torch.Tensor) -> None:
     """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
     src [R*N, W] (any strides); dst [E_l, R*N, W] of src's dtype (any strides; row (e, pos) of each
@@ -263,12 +271,12 @@ def scatter_rows_triton(src: torch.Tensor, dst: torch.Tensor, served: torch.Tens
     block_p = max(1, min(64, 2048 // block_w))
     grid = (triton.cdiv(pairs * topk, block_p), triton.cdiv(width, block_w))
     _scatter_rows_kernel[grid](src, dst, served.view(torch.uint8), local, pos, pairs * topk, width,
-                               *src.stride(), *dst.stride(), TOPK=topk, BLOCK_P=block_p, BLOCK_W=block_w,
-                               num_warps=4)
+                               *src.stride(), *dst.stride(), TOPK=topk, BLOCK_P=block_p,
+                               BLOCK_W=block_w, num_warps=4)
 
 
-def scatter_rows_ref(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor, local: torch.Tensor,
-                     pos: torch.Tensor) -> None:
+def scatter_rows_ref(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor,
+                     local: torch.Tensor, pos: torch.Tensor) -> None:
     """torch reference of ``scatter_rows_triton`` (same arguments, same result)."""
     p, j = served.nonzero(as_tuple=True)
     dst[local[p, j], pos[p, j]] = src[p]
@@ -276,9 +284,10 @@ def scatter_rows_ref(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor,
 
 def scatter_rows(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor, local: torch.Tensor,
                  pos: torch.Tensor) -> None:
-    """Copy row p // k of src [R*N, W] to dst[local, pos] for every served pair (p, j) of the
-    [R*N, k] routing; no host sync on CUDA (Triton), the torch reference on the CPU."""
-    (scatter_rows_triton if src.is_cuda else scatter_rows_ref)(src, dst, served, local, pos)
+    """Copy row p of src [R*N, W] to dst[local[p, j], pos[p, j]] for every served pair (p, j)
+    of the [R*N, k] routing; no host sync on CUDA (Triton), the torch reference on the CPU."""
+    launch = scatter_rows_triton if src.is_cuda else scatter_rows_ref
+    launch(src, dst, served, local, pos)
 
 
 # ----------------------------------------------------------------- weighted partial sums
@@ -312,13 +321,14 @@ def partial_sums_triton(x_rows: torch.Tensor, recv_row: torch.Tensor, served: to
         return
     block_h = min(next_power_of_2(hidden), 2048)
     _partial_sums_kernel[(rows, triton.cdiv(hidden, block_h))](
-        x_rows, recv_row, served.view(torch.uint8), weights, out, hidden, x_rows.stride(0), out.stride(0),
-        TOPK=topk, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False)
+        x_rows, recv_row, served.view(torch.uint8), weights, out, hidden, x_rows.stride(0),
+        out.stride(0), TOPK=topk, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False)
 
 
 def partial_sums_ref(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Tensor,
                      weights: torch.Tensor, out: torch.Tensor) -> None:
-    """torch reference of ``partial_sums_triton``: the same float32 products, added in slot order."""
+    """torch reference of ``partial_sums_triton``: the same float32 products, added in slot
+    order."""
     out.zero_()
     for j in range(served.shape[1]):
         got = x_rows.index_select(0, recv_row[:, j]).float() * weights[:, j:j + 1]
@@ -331,5 +341,6 @@ def partial_sums(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Ten
     x_rows[recv_row[r, j]], float32 [R*N, H]. Slots served elsewhere contribute exact zeros
     whatever their rows hold (a zero weight alone would not cancel NaN garbage)."""
     out = torch.empty(served.shape[0], x_rows.shape[1], dtype=torch.float32, device=x_rows.device)
-    (partial_sums_triton if x_rows.is_cuda else partial_sums_ref)(x_rows, recv_row, served, weights, out)
+    launch = partial_sums_triton if x_rows.is_cuda else partial_sums_ref
+    launch(x_rows, recv_row, served, weights, out)
     return out

@@ -32,10 +32,11 @@ Differences from DeepEP, by design:
   * Handles are private named tuples: pass them back, do not look inside.
   * ``num_worst_tokens`` and UE8M0 scales are not supported (``ValueError``); ``use_logfmt`` and
     ``zero_copy`` are accepted, combine is exact bf16/float32 either way.
-  * Rows of the low-latency receive buffer past ``recv_count`` are left uninitialised, as in DeepEP.
-  * Values (top-k ids in range, N equal on every rank, counts consistent with the mask) are checked
-    for CPU tensors always and for CUDA tensors only with ``VLLM_MOE_CHECK_IDS=1``: a check reads the
-    device on the host. Unchecked, an out-of-range expert id selects no expert.
+  * Rows of the low-latency receive buffer past ``recv_count`` are left uninitialised, as in
+    DeepEP.
+  * Values (top-k ids in range, N equal on every rank, counts consistent with the mask) are
+    checked for CPU tensors always and for CUDA tensors only with ``VLLM_MOE_CHECK_IDS=1``: a check
+    reads the device on the host. Unchecked, an out-of-range expert id selects no expert.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class _HTHandle(NamedTuple):
     is_token_in_rank: torch.Tensor  # [T, R] bool, as dispatched
-    send_rows: torch.Tensor         # [S] int64: token index of each sent row, grouped by destination
+    send_rows: torch.Tensor         # [S] int64: token of each sent row, grouped by destination
     send_splits: list[int]          # rows sent to each rank
     recv_splits: list[int]          # rows received from each rank
 
@@ -87,7 +88,8 @@ def _describe(t) -> str:
         if isinstance(t, torch.Tensor) else repr(type(t).__name__)
 
 
-def _check_tensor(name: str, t, dtype: torch.dtype | tuple, dim: int, contiguous: bool = True) -> None:
+def _check_tensor(name: str, t, dtype: torch.dtype | tuple, dim: int,
+                  contiguous: bool = True) -> None:
     """ValueError naming ``name`` unless t is a tensor of that dtype (one of them) and dim
     (and contiguous, as DeepEP's kernels require)."""
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
@@ -95,8 +97,8 @@ def _check_tensor(name: str, t, dtype: torch.dtype | tuple, dim: int, contiguous
         (t.is_contiguous() or not contiguous)
     if not ok:
         want = " or ".join(_DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in dtypes)
-        raise ValueError(f"{name} must be {want} with {dim} dims{', contiguous' if contiguous else ''}; "
-                         f"got {_describe(t)}")
+        layout = ", contiguous" if contiguous else ""
+        raise ValueError(f"{name} must be {want} with {dim} dims{layout}; got {_describe(t)}")
 
 
 class TorchAll2AllBuffer:
@@ -107,8 +109,8 @@ class TorchAll2AllBuffer:
             NCCL for CUDA tensors.
         low_latency_mode: enable ``low_latency_dispatch``/``low_latency_combine``.
         num_max_dispatch_tokens_per_rank, hidden, num_experts: the sizes the low-latency buffer is
-            built for (required with ``low_latency_mode``). A low-latency call needing more bytes than
-            DeepEP's hint for these sizes is refused, as DeepEP's ``layout.total_bytes <=
+            built for (required with ``low_latency_mode``). A low-latency call needing more bytes
+            than DeepEP's hint for these sizes is refused, as DeepEP's ``layout.total_bytes <=
             num_rdma_bytes`` assertion would refuse it.
     """
 
@@ -125,7 +127,8 @@ class TorchAll2AllBuffer:
         self.low_latency_mode = low_latency_mode
         self.num_rdma_bytes = 0
         if low_latency_mode:
-            for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            for name, value in (("num_max_dispatch_tokens_per_rank",
+                                 num_max_dispatch_tokens_per_rank),
                                 ("hidden", hidden), ("num_experts", num_experts)):
                 check_positive_int(name, value)  # low_latency_mode needs all three
             self.num_rdma_bytes = sizing.deepep_ll_rdma_bytes(
@@ -144,7 +147,8 @@ class TorchAll2AllBuffer:
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
         """DeepEP's low-latency RDMA size hint in bytes (``deepep_sizing.deepep_ll_rdma_bytes``)."""
-        return sizing.deepep_ll_rdma_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        return sizing.deepep_ll_rdma_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                           num_experts)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> sizing.Config:
@@ -157,7 +161,8 @@ class TorchAll2AllBuffer:
         return sizing.get_combine_config(num_ranks, TorchAll2AllBuffer.num_sms)
 
     # ----------------------------------------------------------------- communication primitives
-    def _exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    def _exchange(self, send: torch.Tensor, send_splits: list[int],
+                  recv_splits: list[int]) -> torch.Tensor:
         """all_to_all_single of the rows of ``send`` (any dtype; moved as bytes)."""
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
         payload = send.contiguous().view(torch.uint8).reshape(send.shape[0], row_bytes)
@@ -166,32 +171,37 @@ class TorchAll2AllBuffer:
             dist.all_to_all_single(out, payload, recv_splits, send_splits, group=self.group)
         return out.view(send.dtype).view(out.shape[0], *send.shape[1:])
 
-    def _exchange_packed(self, fields: list[torch.Tensor], send_splits: list[int], recv_splits: list[int],
+    def _exchange_packed(self, fields: list[torch.Tensor], send_splits: list[int],
+                         recv_splits: list[int],
                          rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Move the rows of several tensors [T, ...] (any dtypes, same T) in ONE all_to_all_single.
 
         Each row's fields are packed into one uint8 row (``rows``: the row indices to send, in send
         order; None: all rows), exchanged, and sliced back into contiguous tensors [T', ...]."""
         if len(fields) == 1:
-            return [self._exchange(fields[0] if rows is None else fields[0][rows], send_splits, recv_splits)]
+            send = fields[0] if rows is None else fields[0][rows]
+            return [self._exchange(send, send_splits, recv_splits)]
         t = fields[0].shape[0]
         widths = [math.prod(f.shape[1:]) * f.element_size() for f in fields]
-        payload = torch.cat([f.contiguous().view(torch.uint8).reshape(t, w) for f, w in zip(fields, widths)], 1)
+        payload = torch.cat([f.contiguous().view(torch.uint8).reshape(t, w)
+                             for f, w in zip(fields, widths)], 1)
         got = self._exchange(payload if rows is None else payload[rows], send_splits, recv_splits)
         out, start = [], 0
         for f, w in zip(fields, widths):
-            out.append(got[:, start:start + w].contiguous().view(f.dtype).view(got.shape[0], *f.shape[1:]))
+            field = got[:, start:start + w].contiguous().view(f.dtype)
+            out.append(field.view(got.shape[0], *f.shape[1:]))
             start += w
         return out
 
     def _all_gather(self, slab: torch.Tensor) -> torch.Tensor:
-        """[n, ...] on every rank -> [R, n, ...]: rank s's slab at index s (one fixed-size message)."""
+        """[n, ...] on every rank -> [R, n, ...]: rank s's slab at index s (a fixed-size
+        message)."""
         r = self.group_size
         out = torch.empty(r * slab.shape[0], *slab.shape[1:], dtype=slab.dtype, device=slab.device)
         _all_gather(out, slab.contiguous(), group=self.group)  # gloo wants the [R*n, ...] form
         return out.view(r, *slab.shape)
 
-    # ----------------------------------------------------------------- high-throughput (normal) mode
+    # ------------------------------------------------------------- high-throughput (normal) mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Count what ``dispatch`` will send (local; no communication, no host sync).
@@ -201,7 +211,8 @@ class TorchAll2AllBuffer:
             num_experts: global expert count E (a multiple of the rank count).
 
         Returns:
-            num_tokens_per_rank: int32 [R], tokens sent to each rank (once per rank, not per expert).
+            num_tokens_per_rank: int32 [R], tokens sent to each rank (once per rank, not per
+                expert).
             num_tokens_per_rdma_rank: int32 [R/8] per 8-rank node, or None up to 8 ranks (DeepEP's
                 intranode case).
             num_tokens_per_expert: int32 [E], (token, expert) selections per expert.
@@ -226,9 +237,10 @@ class TorchAll2AllBuffer:
         return per_rank, per_rdma, per_expert, in_rank, None
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config=None, previous_event=None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
         """Send each token once to every rank holding one of its experts.
 
         Synchronises with the device once without a handle (the receive counts become host-side
@@ -249,15 +261,17 @@ class TorchAll2AllBuffer:
 
         Returns:
             recv_x: like x, [T', ...]: the tokens received, grouped by source rank, token order.
-            recv_topk_idx: int64 [T', k] LOCAL expert ids (id - rank * E_local) for experts here, else
-                -1; recv_topk_weights: float32 [T', k], 0 where the id is -1 (None if not sent).
+            recv_topk_idx: int64 [T', k] LOCAL expert ids (id - rank * E_local) for experts here,
+                else -1; recv_topk_weights: float32 [T', k], 0 where the id is -1 (None if not
+                sent).
             num_recv_tokens_per_expert_list: list of E_local ints.
             handle: pass to ``combine`` (or to a cached ``dispatch``).
             event: None.
             With a handle: (recv_x, None, None, None, None, None).
         """
         if num_worst_tokens:
-            raise ValueError(f"num_worst_tokens={num_worst_tokens}: not supported by TorchAll2AllBuffer (use 0)")
+            raise ValueError(f"num_worst_tokens={num_worst_tokens}: not supported by "
+                             "TorchAll2AllBuffer (use 0)")
         if expert_alignment < 1:
             raise ValueError(f"expert_alignment={expert_alignment} must be >= 1")
         x_data, x_scales = x if isinstance(x, tuple) else (x, None)
@@ -304,7 +318,8 @@ class TorchAll2AllBuffer:
         """
         t = self._check_combine(x, handle, topk_weights, bias)
         fields = [x] + ([topk_weights] if topk_weights is not None else [])
-        back = self._exchange_packed(fields, handle.recv_splits, handle.send_splits)  # x and weights at once
+        # x and the weights in one exchange
+        back = self._exchange_packed(fields, handle.recv_splits, handle.send_splits)
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, handle.send_rows, back[0].float())
         for b in (bias if isinstance(bias, tuple) else (bias,)):
@@ -342,8 +357,8 @@ class TorchAll2AllBuffer:
         if _checks_values(is_token_in_rank):
             per_rank = is_token_in_rank.sum(0).tolist()
             if per_rank != send_splits:
-                raise ValueError(f"num_tokens_per_rank {send_splits} does not match is_token_in_rank "
-                                 f"(per-rank sums {per_rank})")
+                raise ValueError(f"num_tokens_per_rank {send_splits} does not match "
+                                 f"is_token_in_rank (per-rank sums {per_rank})")
         if t == 0:
             return torch.zeros(0, dtype=torch.int64, device=mask.device)
         order = torch.sort((~mask).to(torch.uint8), stable=True).indices[:sum(send_splits)]
@@ -357,17 +372,21 @@ class TorchAll2AllBuffer:
 
     def _send_rows(self, handle: _HTHandle, fields: list[torch.Tensor]) -> list[torch.Tensor]:
         """The handle's rows of each [T, ...] field, sent in one exchange: [T', ...] each."""
-        return self._exchange_packed(fields, handle.send_splits, handle.recv_splits, rows=handle.send_rows)
+        return self._exchange_packed(fields, handle.send_splits, handle.recv_splits,
+                                     rows=handle.send_rows)
 
     # ----------------------------------------------------------------- low-latency mode
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+                             use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False):
         """Send one copy of each token per selected expert into a per-expert (masked) layout.
 
-        No host sync: fixed-size messages, positions computed on the device (CUDA-graph capturable).
+        No host sync: fixed-size messages, positions computed on the device (CUDA-graph
+        capturable).
 
         Arguments:
             x: bf16 [T, H] contiguous, T <= num_max_dispatch_tokens_per_rank; H one of DeepEP's LL
@@ -377,25 +396,30 @@ class TorchAll2AllBuffer:
             num_experts: E, a multiple of the rank count R.
             cumulative_local_expert_recv_stats: optional int32 [E_local] contiguous; recv_count is
                 added to it.
-            dispatch_wait_recv_cost_stats: optional int64 [R] contiguous, left untouched (no timing).
-            use_fp8: quantise per 1x128 group as DeepEP does (scale_inv = amax / 448, amax floored at
-                1e-4; ``round_scale`` rounds scale_inv up to a power of two). ``use_ue8m0`` is refused.
+            dispatch_wait_recv_cost_stats: optional int64 [R] contiguous, left untouched (no
+                timing).
+            use_fp8: quantise per 1x128 group as DeepEP does (scale_inv = amax / 448, amax floored
+                at 1e-4; ``round_scale`` rounds scale_inv up to a power of two). ``use_ue8m0`` is
+                refused.
             async_finish, return_recv_hook: mutually exclusive; the hook is a no-op.
 
         Returns:
             recv_x: fp8: (float8_e4m3fn [E_local, R*N, H], float32 scales [E_local, R*N, H/128] with
                 strides (R*N*H/128, 1, R*N), i.e. column-major in the last two dims); else bf16
                 [E_local, R*N, H]. Rows of expert e past recv_count[e] are uninitialised.
-            recv_count: int32 [E_local] valid rows per local expert (grouped by source rank, token order).
+            recv_count: int32 [E_local] valid rows per local expert (grouped by source rank,
+                token order).
             handle: pass to ``low_latency_combine``.
             event: None.
             hook: a no-op callable with ``return_recv_hook``, else None.
         """
         n = num_max_dispatch_tokens_per_rank
-        e_local = self._check_ll_dispatch(x, topk_idx, n, num_experts, cumulative_local_expert_recv_stats,
-                                          dispatch_wait_recv_cost_stats, use_fp8, use_ue8m0, async_finish,
-                                          return_recv_hook)
-        slabs = self._all_gather(ll.pack_slab(x, topk_idx, n, use_fp8, round_scale))  # [R, N, row] bytes
+        e_local = self._check_ll_dispatch(x, topk_idx, n, num_experts,
+                                          cumulative_local_expert_recv_stats,
+                                          dispatch_wait_recv_cost_stats, use_fp8, use_ue8m0,
+                                          async_finish, return_recv_hook)
+        slab = ll.pack_slab(x, topk_idx, n, use_fp8, round_scale)
+        slabs = self._all_gather(slab)                                  # [R, N, row] bytes
         ids, scales, data = ll.unpack(slabs, topk_idx.shape[1], x.shape[1], use_fp8)
         served, local, pos, recv_row, recv_count = ll.route(ids, self.rank, e_local)
         recv_x = self._ll_receive(data, scales, served, local, pos, e_local)
@@ -404,8 +428,9 @@ class TorchAll2AllBuffer:
         handle = _LLHandle(recv_row, served, x.shape[0], n, x.shape[1], num_experts)
         return recv_x, recv_count, handle, None, ((lambda: None) if return_recv_hook else None)
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: _LLHandle, use_logfmt: bool = False, zero_copy: bool = False,
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle: _LLHandle,
+                            use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: torch.Tensor | None = None, combine_wait_recv_cost_stats=None):
         """Send expert outputs back and reduce them with the top-k weights on the source rank.
@@ -413,10 +438,10 @@ class TorchAll2AllBuffer:
         No host sync (CUDA-graph capturable).
 
         Arguments:
-            x: bf16 [E_local, R*N, H] contiguous, expert outputs in ``low_latency_dispatch``'s layout
-                (only the valid rows are read).
-            topk_idx: int64 [T, k] contiguous, as dispatched; topk_weights: float32 [T, k]
-                contiguous, T <= N.
+            x: bf16 [E_local, R*N, H] contiguous, expert outputs in ``low_latency_dispatch``'s
+                layout (only the valid rows are read).
+            topk_idx: int64 [T, k] contiguous, as dispatched (its values are not read again: the
+                handle holds the routing); topk_weights: float32 [T, k] contiguous, T <= N.
             handle: from ``low_latency_dispatch``.
             out: optional bf16 [T, H] contiguous, written and returned.
             use_logfmt, zero_copy: accepted, ignored (combine is exact).
@@ -431,9 +456,10 @@ class TorchAll2AllBuffer:
                                async_finish, return_recv_hook)
         n, t, h = handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden
         weights = self._all_gather(ll.pad_rows(topk_weights, n)).view(-1, topk_weights.shape[1])
-        partial = ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, weights)  # [R*N, H] f32
+        # [R*N, H] float32: block s goes back to rank s, block s of `back` came from rank s.
+        partial = ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, weights)
         back = torch.empty_like(partial)
-        dist.all_to_all_single(back, partial, group=self.group)               # [R(expert rank)*N, H]
+        dist.all_to_all_single(back, partial, group=self.group)
         if out is None:
             out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
         out.copy_(back.view(self.group_size, n, h)[:, :t].sum(0))
@@ -465,7 +491,8 @@ class TorchAll2AllBuffer:
         if topk_idx.numel() and _checks_values(topk_idx):
             lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
             if lo < -1 or hi >= num_experts:
-                raise ValueError(f"topk_idx values must lie in [-1, {num_experts}); got [{lo}, {hi}]")
+                raise ValueError(f"topk_idx values must lie in [-1, {num_experts}); "
+                                 f"got [{lo}, {hi}]")
         return e_local
 
     @staticmethod
@@ -473,7 +500,8 @@ class TorchAll2AllBuffer:
         check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_contiguous(),
               f"x must be a contiguous [T, H] tensor; got {_describe(x)}")
         if (x.shape[1] * x.element_size()) % 16:
-            raise ValueError(f"x must be [T, H] with rows of a multiple of 16 bytes; got {_describe(x)}")
+            raise ValueError(f"x must be [T, H] with rows of a multiple of 16 bytes; "
+                             f"got {_describe(x)}")
         if scales is not None:
             check(x.dtype == FP8_DTYPE, f"with scales, x must be float8_e4m3fn; got {x.dtype}")
             _check_tensor("x scales", scales, torch.float32, 2, contiguous=False)
@@ -482,7 +510,8 @@ class TorchAll2AllBuffer:
 
     @staticmethod
     def _check_cached_dispatch(x, handle, topk_idx, topk_weights) -> None:
-        check(isinstance(handle, _HTHandle), "handle must be the one this buffer's dispatch returned")
+        check(isinstance(handle, _HTHandle),
+              "handle must be the one this buffer's dispatch returned")
         check(topk_idx is None and topk_weights is None,
               "dispatch with a cached handle takes no topk_idx/topk_weights")
         t = handle.is_token_in_rank.shape[0]
@@ -492,36 +521,41 @@ class TorchAll2AllBuffer:
                       topk_idx, topk_weights) -> int:
         """Check a dispatch without a handle; return E_local."""
         r = self.group_size
-        for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+        for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
+                            ("is_token_in_rank", is_token_in_rank),
                             ("num_tokens_per_expert", num_tokens_per_expert)):
-            check(value is not None, f"dispatch without a handle needs {name} (from get_dispatch_layout)")
+            check(value is not None,
+                  f"dispatch without a handle needs {name} (from get_dispatch_layout)")
         _check_tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2)
-        check(tuple(is_token_in_rank.shape) == (t, r),
-              f"is_token_in_rank must be [{t}, {r}] (tokens, ranks); got {list(is_token_in_rank.shape)}")
+        check(tuple(is_token_in_rank.shape) == (t, r), f"is_token_in_rank must be [{t}, {r}] "
+              f"(tokens, ranks); got {list(is_token_in_rank.shape)}")
         _check_tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1)
         check(num_tokens_per_rank.shape[0] == r,
               f"num_tokens_per_rank must be [{r}]; got {list(num_tokens_per_rank.shape)}")
         _check_tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1)
         e_local = check_experts_per_rank(num_tokens_per_expert.numel(), r)
-        check(e_local <= sizing.NUM_MAX_LOCAL_EXPERTS, f"num_tokens_per_expert gives {e_local} experts per "
-              f"rank; DeepEP's dispatch takes at most {sizing.NUM_MAX_LOCAL_EXPERTS}")
-        check((topk_idx is None) == (topk_weights is None), "topk_idx and topk_weights go together: "
-              "pass both or neither")
+        most = sizing.NUM_MAX_LOCAL_EXPERTS
+        check(e_local <= most, f"num_tokens_per_expert gives {e_local} experts per rank; DeepEP's "
+              f"dispatch takes at most {most}")
+        check((topk_idx is None) == (topk_weights is None),
+              "topk_idx and topk_weights go together: pass both or neither")
         if topk_idx is not None:
             self._check_topk(topk_idx, num_tokens_per_expert.numel())
             check(topk_idx.shape[0] == t, f"topk_idx has {topk_idx.shape[0]} tokens, x has {t}")
             _check_tensor("topk_weights", topk_weights, torch.float32, 2)
-            check(topk_weights.shape == topk_idx.shape,
-                  f"topk_weights must be {list(topk_idx.shape)} like topk_idx; got {list(topk_weights.shape)}")
+            check(topk_weights.shape == topk_idx.shape, f"topk_weights must be "
+                  f"{list(topk_idx.shape)} like topk_idx; got {list(topk_weights.shape)}")
         return e_local
 
     @staticmethod
     def _check_combine(x, handle, topk_weights, bias) -> int:
         """Check combine's arguments; return T, the token count of the dispatch."""
-        check(isinstance(handle, _HTHandle), "combine needs the handle returned by this buffer's dispatch")
+        check(isinstance(handle, _HTHandle),
+              "combine needs the handle returned by this buffer's dispatch")
         t_recv, t = sum(handle.recv_splits), handle.is_token_in_rank.shape[0]
         _check_tensor("x", x, torch.bfloat16, 2)
-        check(x.shape[0] == t_recv, f"x must be [{t_recv}, H] (the received token count); got {list(x.shape)}")
+        check(x.shape[0] == t_recv,
+              f"x must be [{t_recv}, H] (the received token count); got {list(x.shape)}")
         if topk_weights is not None:
             _check_tensor("topk_weights", topk_weights, torch.float32, 2)
             check(topk_weights.shape[0] == t_recv,
@@ -531,27 +565,32 @@ class TorchAll2AllBuffer:
         for b in biases:
             if b is not None:
                 _check_tensor("bias", b, x.dtype, 2)
-                check(tuple(b.shape) == (t, x.shape[1]), f"bias must be [{t}, {x.shape[1]}]; got {list(b.shape)}")
+                check(tuple(b.shape) == (t, x.shape[1]),
+                      f"bias must be [{t}, {x.shape[1]}]; got {list(b.shape)}")
         return t
 
-    def _check_ll_dispatch(self, x, topk_idx, n, num_experts, recv_stats, wait_stats, use_fp8, use_ue8m0,
-                           async_finish, return_recv_hook) -> int:
+    def _check_ll_dispatch(self, x, topk_idx, n, num_experts, recv_stats, wait_stats, use_fp8,
+                           use_ue8m0, async_finish, return_recv_hook) -> int:
         """Check low_latency_dispatch's arguments (and, where values are checked, that N agrees
         across ranks: a collective); return E_local."""
-        check(self.low_latency_mode, "low_latency_dispatch needs a buffer built with low_latency_mode=True")
+        check(self.low_latency_mode,
+              "low_latency_dispatch needs a buffer built with low_latency_mode=True")
         _check_tensor("x", x, torch.bfloat16, 2)
         check(not use_ue8m0, "use_ue8m0=True: UE8M0 scales are not supported by TorchAll2AllBuffer")
-        check(not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive")
+        check(not (async_finish and return_recv_hook),
+              "async_finish and return_recv_hook are mutually exclusive")
         e_local = self._check_topk(topk_idx, num_experts)
         t, k = topk_idx.shape
         check(t == x.shape[0], f"topk_idx has {t} tokens, x has {x.shape[0]}")
-        check(k <= sizing.LL_MAX_TOPK, f"top-k {k} > {sizing.LL_MAX_TOPK}, the most DeepEP's low-latency kernels take")
+        check(k <= sizing.LL_MAX_TOPK,
+              f"top-k {k} > {sizing.LL_MAX_TOPK}, the most DeepEP's low-latency kernels take")
         check(t <= n, f"{t} tokens exceed num_max_dispatch_tokens_per_rank={n}")
         self._check_ll_size(n, x.shape[1], num_experts)
         if recv_stats is not None:
-            _check_tensor("cumulative_local_expert_recv_stats", recv_stats, torch.int32, 1)
-            check(recv_stats.shape[0] == e_local, f"cumulative_local_expert_recv_stats must be [{e_local}] "
-                  f"(E_local); got {list(recv_stats.shape)}")
+            name = "cumulative_local_expert_recv_stats"
+            _check_tensor(name, recv_stats, torch.int32, 1)
+            check(recv_stats.shape[0] == e_local,
+                  f"{name} must be [{e_local}] (E_local); got {list(recv_stats.shape)}")
         self._check_wait_stats("dispatch_wait_recv_cost_stats", wait_stats)
         if _checks_values(x):
             self._check_same_n(n, x.device)
@@ -562,38 +601,43 @@ class TorchAll2AllBuffer:
         if need > self.num_rdma_bytes:
             bn, bh, be = self.ll_sizes
             raise ValueError(
-                f"low-latency buffer too small: (N={n}, H={h}, E={num_experts}) needs {need} bytes, the buffer "
-                f"was sized for (N={bn}, H={bh}, E={be}) = {self.num_rdma_bytes} bytes "
-                "(DeepEP's layout.total_bytes <= num_rdma_bytes)")
+                f"low-latency buffer too small: (N={n}, H={h}, E={num_experts}) needs {need} "
+                f"bytes, the buffer was sized for (N={bn}, H={bh}, E={be}) = "
+                f"{self.num_rdma_bytes} bytes (DeepEP's layout.total_bytes <= num_rdma_bytes)")
 
     def _check_wait_stats(self, name, stats) -> None:
         if stats is not None:
             _check_tensor(name, stats, torch.int64, 1)
-            check(stats.shape[0] == self.group_size, f"{name} must be [{self.group_size}] (one per rank); "
-                  f"got {list(stats.shape)}")
+            check(stats.shape[0] == self.group_size, f"{name} must be [{self.group_size}] (one "
+                  f"per rank); got {list(stats.shape)}")
 
     def _check_same_n(self, n: int, device: torch.device) -> None:
         """Every rank must pass the same N (the message size): gathered and compared."""
-        got = self._all_gather(torch.tensor([n], dtype=torch.int64, device=device)).view(-1).tolist()
+        mine = torch.tensor([n], dtype=torch.int64, device=device)
+        got = self._all_gather(mine).view(-1).tolist()
         if len(set(got)) > 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: {got}")
 
     def _check_ll_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats, async_finish,
                           return_recv_hook) -> None:
-        check(isinstance(handle, _LLHandle), "low_latency_combine needs the handle returned by low_latency_dispatch")
-        check(not (async_finish and return_recv_hook), "async_finish and return_recv_hook are mutually exclusive")
+        check(isinstance(handle, _LLHandle),
+              "low_latency_combine needs the handle returned by low_latency_dispatch")
+        check(not (async_finish and return_recv_hook),
+              "async_finish and return_recv_hook are mutually exclusive")
         n, t, h = handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden
         shape = (handle.num_experts // self.group_size, self.group_size * n, h)
         _check_tensor("x", x, torch.bfloat16, 3)
-        check(tuple(x.shape) == shape, f"x must be {list(shape)} ([E_local, R*N, H]); got {list(x.shape)}")
+        check(tuple(x.shape) == shape,
+              f"x must be {list(shape)} ([E_local, R*N, H]); got {list(x.shape)}")
         _check_tensor("topk_idx", topk_idx, torch.int64, 2)
         _check_tensor("topk_weights", topk_weights, torch.float32, 2)
-        check(topk_weights.shape == topk_idx.shape, f"topk_weights must be {list(topk_idx.shape)} like "
-              f"topk_idx; got {list(topk_weights.shape)}")
-        check(topk_weights.shape[0] <= n, f"topk_weights has {topk_weights.shape[0]} rows; at most "
-              f"num_max_dispatch_tokens_per_rank={n}")
+        check(topk_weights.shape == topk_idx.shape, f"topk_weights must be "
+              f"{list(topk_idx.shape)} like topk_idx; got {list(topk_weights.shape)}")
+        check(topk_weights.shape[0] <= n, f"topk_weights has {topk_weights.shape[0]} rows; at "
+              f"most num_max_dispatch_tokens_per_rank={n}")
         k = handle.served.shape[1]
-        check(tuple(topk_idx.shape) == (t, k), f"topk_idx must be [{t}, {k}] as dispatched; got {list(topk_idx.shape)}")
+        check(tuple(topk_idx.shape) == (t, k),
+              f"topk_idx must be [{t}, {k}] as dispatched; got {list(topk_idx.shape)}")
         if out is not None:
             _check_tensor("out", out, torch.bfloat16, 2)
             check(tuple(out.shape) == (t, h), f"out must be [{t}, {h}]; got {list(out.shape)}")

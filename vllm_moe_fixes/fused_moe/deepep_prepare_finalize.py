@@ -5,7 +5,8 @@ to every rank holding one of its experts (``get_dispatch_layout`` + ``dispatch``
 contiguous experts on what arrived, then weight and sum over the k slots (unless the experts did)
 and ``combine`` back:
 
-    a1 [M, K] bf16 --quant--> (fp8 [M, K], f32 [M, K/128]) --dispatch--> (fp8 [M', K], f32 [M', K/128]),
+    a1 [M, K] bf16 --quant--> (fp8 [M, K], f32 [M, K/128])
+        --dispatch--> (fp8 [M', K], f32 [M', K/128]),
         received ids (local, -1 = elsewhere) -> global ids (+ rank_expert_offset), weights (0 at -1)
     experts -> [M', K] reduced, or [M', k, K] (-1 slots exact zeros) --weighted moe_sum--> [M', K]
         --combine--> output [M, K]
@@ -27,7 +28,11 @@ import torch.distributed as dist
 
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.fused_moe.batched_experts import quant_batched_fp8
-from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, PrepareAndFinalize, PrepareResult
+from vllm_moe_fixes.fused_moe.modular_kernel import (
+    ActivationFormat,
+    PrepareAndFinalize,
+    PrepareResult,
+)
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
@@ -67,13 +72,15 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
     def num_dispatchers(self) -> int:
         return self._num_dispatchers
 
-    def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None) -> int:
+    def num_chunks(self, num_tokens: int, chunk_size: int,
+                   max_tokens_across_ranks: int | None) -> int:
         """cdiv(largest token count of the group's ranks, chunk_size), the same on every rank.
 
         Without max_tokens_across_ranks, one all-reduce (MAX) on the buffer's group finds it: a
         host synchronisation, so a CUDA graph capture must pass it."""
         if max_tokens_across_ranks is None:
-            max_tokens_across_ranks = group_max_tokens(getattr(self.buffer, "group", None), num_tokens)
+            group = getattr(self.buffer, "group", None)
+            max_tokens_across_ranks = group_max_tokens(group, num_tokens)
         return -(-max_tokens_across_ranks // chunk_size)
 
     def _take_pending(self):
@@ -120,7 +127,8 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input)
         a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
         ids = topk_ids.to(torch.int64).contiguous()  # DeepEP takes int64 ids
-        per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, num_experts)
+        per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
+            ids, num_experts)
         (recv_q, recv_s), recv_ids, recv_w, counts, handle, _ = self.buffer.dispatch(
             (a1q, a1s), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
@@ -139,8 +147,9 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         when the weights went on the input). Slots with id -1 hold exact zeros: the standard
         experts guarantee it (a zero weight alone would not cancel garbage, 0 * NaN = NaN)."""
         handle = self._take_pending()
+        weights = None if apply_router_weight_on_input else topk_weights
         reduced = fused_expert_output if output_is_reduced else moe_sum(
-            fused_expert_output, topk_weights=None if apply_router_weight_on_input else topk_weights)
+            fused_expert_output, topk_weights=weights)
         combined, _, _ = self.buffer.combine(reduced, handle)
         output.copy_(combined)
 
@@ -168,7 +177,8 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
                  use_fp8_dispatch: bool = True) -> None:
         super().__init__(buffer, num_dispatchers)
         if not getattr(buffer, "low_latency_mode", False):
-            raise ValueError("buffer must be built with low_latency_mode=True for low-latency dispatch")
+            raise ValueError("buffer must be built with low_latency_mode=True for low-latency "
+                             "dispatch")
         check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
         self.max_tokens_per_rank_ = max_tokens_per_rank
         self.use_fp8_dispatch = use_fp8_dispatch
@@ -188,7 +198,8 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         if a1.shape[0] > n:
             raise ValueError(f"{a1.shape[0]} tokens exceed max_tokens_per_rank={n}")
         a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input).contiguous()
-        ids = topk_ids.to(torch.int64).contiguous()  # DeepEP takes int64 ids; combine needs them too
+        # DeepEP takes int64 ids; combine needs them too
+        ids = topk_ids.to(torch.int64).contiguous()
         recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
             a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch)
         self._pending = (handle, ids)
@@ -200,6 +211,8 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         """fused_expert_output bf16 [E_l, R*N, K] (valid rows only are read): combined with the
         weights (ones when they went on the input) straight into output [M, K] (contiguous)."""
         handle, ids = self._take_pending()
-        weights = torch.ones_like(topk_weights, dtype=torch.float32) if apply_router_weight_on_input \
-            else topk_weights.float().contiguous()
+        if apply_router_weight_on_input:
+            weights = torch.ones_like(topk_weights, dtype=torch.float32)
+        else:
+            weights = topk_weights.float().contiguous()
         self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle, out=output)
