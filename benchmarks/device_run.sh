@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One GPU session's work on a lent H200, in stages that each fit one device call:
+#
+#     bash benchmarks/device_run.sh tests     # DeepEP + DeepGEMM (built or reused), the GPU suite
+#     bash benchmarks/device_run.sh bench     # the benchmarks, JSON tarred for the trip back
+#
+# Logs and a tarball of benchmarks/results/ go to $OUT (default /tmp/out). The libraries come from
+# benchmarks/device_build.sh, unless .deps already holds their built extensions (carried back from
+# an earlier session as .deps/*.so.gz): then they are unpacked in place and nothing is compiled.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CC=/usr/bin/gcc CXX=/usr/bin/g++ DG_JIT_CACHE_DIR="$PWD/.deps/dg_jit_cache"
+export PYTHONPATH="$PWD/.deps/DeepEP:$PWD/.deps/DeepGEMM${PYTHONPATH:+:$PYTHONPATH}"
+
+libraries() {
+    # Reuse extensions built by an earlier call on this machine or carried as .deps/<name>.so.gz;
+    # otherwise build both from source.
+    if compgen -G ".deps/DeepEP/deep_ep_cpp*.so" >/dev/null && compgen -G ".deps/DeepGEMM/deep_gemm/_C*.so" >/dev/null; then
+        echo "reused the DeepEP / DeepGEMM extensions built on this machine"
+    elif [[ -f .deps/deep_ep_cpp.so.gz && -f .deps/deep_gemm_C.so.gz ]]; then
+        gunzip -c .deps/deep_ep_cpp.so.gz >.deps/DeepEP/deep_ep_cpp.cpython-312-x86_64-linux-gnu.so
+        gunzip -c .deps/deep_gemm_C.so.gz >.deps/DeepGEMM/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so
+        ln -sfn ../../third-party/cutlass/include/cutlass .deps/DeepGEMM/deep_gemm/include/cutlass
+        ln -sfn ../../third-party/cutlass/include/cute .deps/DeepGEMM/deep_gemm/include/cute
+        echo "reused the carried DeepEP / DeepGEMM extensions"
+    else
+        bash benchmarks/device_build.sh || return 1
+        gzip -c .deps/DeepEP/deep_ep_cpp*.so >"$OUT/deep_ep_cpp.so.gz"
+        gzip -c "$(readlink -f .deps/DeepGEMM/deep_gemm/_C*.so)" >"$OUT/deep_gemm_C.so.gz"
+    fi
+    python3 -c "import deep_ep, deep_gemm; print('deep_ep and deep_gemm', deep_gemm.__version__, 'import')"
+}
+
+stage_tests() {
+    nvidia-smi -L
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    libraries 2>&1 | tee "$OUT/build.log" | tail -n 8
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m "gpu or multi_gpu or deep_ep or deep_gemm" \
+        -rs -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+}
+
+stage_bench() {
+    local b
+    for b in "bench_experts" "bench_quant" "bench_grouped_topk" "bench_all2all" \
+             "deepep_footprint --quick" "bench_moe_sum"; do
+        echo "### python -m benchmarks.$b"
+        timeout "${BENCH_TIMEOUT:-150}" python3 -m benchmarks.$b 2>&1 | tail -n 60
+    done 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -n 150
+    tar czf "$OUT/results.tgz" benchmarks/results
+}
+
+case "${1:-}" in
+    tests) stage_tests ;;
+    bench) libraries >/dev/null 2>&1; stage_bench ;;
+    *) echo "usage: bash benchmarks/device_run.sh tests|bench" >&2; exit 2 ;;
+esac
