@@ -1,14 +1,17 @@
 """Run a function on every rank of a fresh local process group (gloo on CPU, NCCL one process per GPU).
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes that join a group on a
-free local port and call ``fn(rank, world_size, *args)``; it returns the list of the ranks' return
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes that join a group through
+a file store in a fresh temporary directory (no TCP port to pick, so no race with another process
+taking it) and call ``fn(rank, world_size, *args)``; it returns the list of the ranks' return
 values (``result[r]`` is rank r's; ``None`` where fn returned None). Return values travel by pickle
 through a temporary file per rank, so return small, picklable, preferably CPU objects.
 
 A failure on any rank fails the caller: every failing rank prints its own traceback to stderr (the
 launcher reports only one rank's error, often a peer's "connection closed") and the call raises.
 ``fn`` must be a module-level function. gloo ranks are forked (fast); NCCL ranks are spawned (CUDA
-cannot be forked), which costs seconds: run several cases per call. Each child sets
+cannot be forked), which costs seconds: run several cases per call. A forked rank ends with
+``os._exit`` (no interpreter finalization); every rank destroys its group before it returns, so no
+backend thread outlives it. Each child sets
 ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off) in its own environment; the caller's is untouched.
 
 Not imported by ``vllm_moe_fixes.distributed`` (which must stay torch-free); torch is imported here.
@@ -32,7 +35,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, out_dir: str) -> None:
+def _worker(rank: int, world_size: int, backend: str, fn, args, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -40,7 +43,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, out_d
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120),
                             **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
     try:
@@ -67,7 +70,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> list:
     # fork is several times faster than spawn (no re-import of torch); CUDA needs spawn.
     method = "spawn" if backend == "nccl" else "fork"
     with tempfile.TemporaryDirectory(prefix="vllm_moe_fixes_ranks_") as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), backend, fn, args, out_dir),
+        mp.start_processes(_worker, args=(world_size, backend, fn, args, out_dir),
                            nprocs=world_size, join=True, start_method=method)
         results = []
         for rank in range(world_size):
