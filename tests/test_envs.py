@@ -60,8 +60,9 @@ def test_backend_values(monkeypatch, raw):
 
 @pytest.mark.parametrize("name", ["VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB",
                                   "VLLM_FUSED_MOE_CHUNK_SIZE"])
-def test_positive_ints(monkeypatch, name):
-    monkeypatch.setenv(name, "512")
+@pytest.mark.parametrize("raw", ["512", " 512\n", "0512"])
+def test_positive_ints(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
     assert getattr(envs, name) == 512
 
 
@@ -71,7 +72,7 @@ BAD_VALUES = (
      for raw in ("2", "yes", "on", "-1", "tru")]
     + [(name, raw) for name in ("VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB",
                                 "VLLM_FUSED_MOE_CHUNK_SIZE")
-       for raw in ("0", "-4", "1.5", "abc", "1e3")]
+       for raw in ("0", "-4", "1.5", "abc", "1e3", "1_000", "+5", "\u0665", "1 000", "0x10")]
     + [("VLLM_ALL2ALL_BACKEND", "pplx")])
 
 
@@ -88,6 +89,13 @@ def test_bad_value_names_variable_value_and_allowed(monkeypatch, name, raw):
             "VLLM_MOE_DP_CHUNK_SIZE": "integer > 0", "VLLM_DEEPEP_BUFFER_SIZE_MB": "integer > 0",
             "VLLM_FUSED_MOE_CHUNK_SIZE": "integer > 0", "VLLM_MOE_CHECK_IDS": "true, false",
             "VLLM_ALL2ALL_BACKEND": "naive, deepep_high_throughput, deepep_low_latency"}[name] in message
+
+
+def test_int_spelled_with_underscore_says_digits_only(monkeypatch):
+    monkeypatch.setenv("VLLM_MOE_DP_CHUNK_SIZE", "1_000")
+    with pytest.raises(ValueError, match=r"VLLM_MOE_DP_CHUNK_SIZE='1_000' is not an integer "
+                                         r"\(decimal digits only\); allowed: integer > 0"):
+        envs.VLLM_MOE_DP_CHUNK_SIZE
 
 
 def test_unknown_attribute_is_attribute_error():

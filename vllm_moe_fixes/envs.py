@@ -32,11 +32,18 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError("is not a boolean (case is ignored)")
 
 
+def parse_decimal(raw: str) -> int:
+    """The integer ``raw`` spells in decimal digits only, surrounding whitespace allowed; ValueError
+    otherwise. ``int()`` also takes signs, ``_`` separators and non-ASCII digits ("1_000", "+5",
+    "\u0665"): a value written that way is more likely a typo than a size."""
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError("is not an integer (decimal digits only)")
+    return int(text)
+
+
 def _parse_positive_int(raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("is not an integer") from None
+    value = parse_decimal(raw)
     if value <= 0:
         raise ValueError("is out of range")
     return value
