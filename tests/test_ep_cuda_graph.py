@@ -1,4 +1,5 @@
-"""The naive low-latency layer in a CUDA graph (NCCL; one GPU per rank).
+"""The naive low-latency layer in a CUDA graph (NCCL; one GPU per rank), and the host
+synchronisations of each naive all-to-all call.
 
 A whole layer pass (TorchAll2AllBuffer low-latency dispatch -> BatchedTritonExperts ->
 low-latency combine, through FusedMoEModularKernel with max_tokens_across_ranks given) is
@@ -6,6 +7,8 @@ captured once; replays on new inputs copied into the static input tensors must m
 call on the same inputs bit for bit, and the reference within the layer tolerance. Capture fails
 on any host synchronisation, and the eager pass also runs under torch's sync debug mode "error".
 """
+
+import warnings
 
 import pytest
 import torch
@@ -31,8 +34,8 @@ def _graph_worker(rank, world):
     dev = torch.device("cuda", rank)
     buffer = TorchAll2AllBuffer(None, low_latency_mode=True, num_max_dispatch_tokens_per_rank=N,
                                 hidden=HIDDEN, num_experts=E)
-    kernel = FusedMoEModularKernel(
-        DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=world, max_tokens_per_rank=N), BatchedTritonExperts())
+    pf = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=world, max_tokens_per_rank=N)
+    kernel = FusedMoEModularKernel(pf, BatchedTritonExperts())
     full = make_weights(0, E, HIDDEN, dev)
     lw1, ls1, lw2, ls2, expert_map = local_slice(rank, world, E, *full)
     x, ids, w = (t.clone() for t in _inputs(1, rank, world, dev))  # the graph's static inputs
@@ -75,3 +78,53 @@ def test_low_latency_layer_cuda_graph_one_gpu():
 @pytest.mark.multi_gpu
 def test_low_latency_layer_cuda_graph_two_gpus():
     run_distributed(_graph_worker, 2, backend="nccl")
+
+
+def _syncs(fn) -> int:
+    """Synchronising CUDA operations fn makes (torch's sync debug mode, one warning each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _sync_count_worker(rank, world):
+    """High-throughput: get_dispatch_layout and combine none, dispatch one (its receive counts).
+    Low-latency: none."""
+    dev = torch.device("cuda", rank)
+    x, ids, w = _inputs(5, rank, world, dev)
+    buffer = TorchAll2AllBuffer(None, low_latency_mode=True, num_max_dispatch_tokens_per_rank=N,
+                                hidden=HIDDEN, num_experts=E)
+    state = {}
+
+    def dispatch_ht():
+        layout = buffer.get_dispatch_layout(ids, E)
+        state["out"] = buffer.dispatch(
+            x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
+            num_tokens_per_expert=layout[2], is_token_in_rank=layout[3], topk_idx=ids,
+            topk_weights=w)
+
+    for _ in range(2):  # the second round is the steady state
+        assert _syncs(lambda: buffer.get_dispatch_layout(ids, E)) == 0
+        assert _syncs(dispatch_ht) == 1
+        recv, handle = state["out"][0], state["out"][4]
+        assert _syncs(lambda: buffer.combine(recv, handle)) == 0
+        ll = {}
+        assert _syncs(lambda: ll.update(d=buffer.low_latency_dispatch(x, ids, N, E))) == 0
+        y = torch.randn(ll["d"][0][0].shape, device=dev).to(torch.bfloat16)
+        assert _syncs(lambda: buffer.low_latency_combine(y, ids, w, ll["d"][2])) == 0
+
+
+@pytest.mark.gpu
+def test_naive_all2all_host_syncs_one_gpu():
+    run_distributed(_sync_count_worker, 1, backend="nccl")
+
+
+@pytest.mark.multi_gpu
+def test_naive_all2all_host_syncs_two_gpus():
+    run_distributed(_sync_count_worker, 2, backend="nccl")
