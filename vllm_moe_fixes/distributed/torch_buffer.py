@@ -12,6 +12,9 @@ receive size is a host-side tensor shape), in one ``all_to_all_single`` of a [R,
 count matrix, then moves every per-row tensor of the call (x, its scales, top-k ids and weights)
 packed into one byte row, in one ``all_to_all_single``. ``combine`` does not synchronise.
 
+Every collective goes through ``collectives.run_collective``, which returns only once gloo has let
+go of the CPU tensors (a late release during interpreter shutdown aborts the process).
+
 Low-latency mode moves fixed-size messages and never reads a device value on the host, so a CUDA
 graph can capture it (the device-side steps live in ``ll_exchange``):
 
@@ -51,6 +54,7 @@ from vllm_moe_fixes import envs
 from vllm_moe_fixes._validate import check, check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed import deepep_sizing as sizing
 from vllm_moe_fixes.distributed import ll_exchange as ll
+from vllm_moe_fixes.distributed.collectives import run_collective
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE
 
 # torch 2.13 names it all_gather_single; older releases all_gather_into_tensor (same arguments).
@@ -168,7 +172,8 @@ class TorchAll2AllBuffer:
         payload = send.contiguous().view(torch.uint8).reshape(send.shape[0], row_bytes)
         out = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=send.device)
         if row_bytes:
-            dist.all_to_all_single(out, payload, recv_splits, send_splits, group=self.group)
+            run_collective(dist.all_to_all_single, out, payload, recv_splits, send_splits,
+                           group=self.group)
         return out.view(send.dtype).view(out.shape[0], *send.shape[1:])
 
     def _exchange_packed(self, fields: list[torch.Tensor], send_splits: list[int],
@@ -198,7 +203,8 @@ class TorchAll2AllBuffer:
         message)."""
         r = self.group_size
         out = torch.empty(r * slab.shape[0], *slab.shape[1:], dtype=slab.dtype, device=slab.device)
-        _all_gather(out, slab.contiguous(), group=self.group)  # gloo wants the [R*n, ...] form
+        # gloo wants the [R*n, ...] form
+        run_collective(_all_gather, out, slab.contiguous(), group=self.group)
         return out.view(r, *slab.shape)
 
     # ------------------------------------------------------------- high-throughput (normal) mode
@@ -341,7 +347,8 @@ class TorchAll2AllBuffer:
         counts = torch.cat([num_tokens_per_rank.view(r, 1).long(),
                             num_tokens_per_expert.view(r, -1).long()], 1)
         got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=self.group)  # row s: what rank s sends here
+        # row s: what rank s sends here
+        run_collective(dist.all_to_all_single, got, counts, group=self.group)
         per_expert = got[:, 1:].sum(0)
         per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
         host = torch.cat([counts[:, 0], got[:, 0], per_expert]).tolist()
@@ -459,7 +466,7 @@ class TorchAll2AllBuffer:
         # [R*N, H] float32: block s goes back to rank s, block s of `back` came from rank s.
         partial = ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, weights)
         back = torch.empty_like(partial)
-        dist.all_to_all_single(back, partial, group=self.group)
+        run_collective(dist.all_to_all_single, back, partial, group=self.group)
         if out is None:
             out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
         out.copy_(back.view(self.group_size, n, h)[:, :t].sum(0))

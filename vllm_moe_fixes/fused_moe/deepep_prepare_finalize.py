@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes.distributed.collectives import run_collective
 from vllm_moe_fixes.fused_moe.batched_experts import quant_batched_fp8
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
@@ -49,7 +50,7 @@ def group_max_tokens(group: dist.ProcessGroup | None, num_tokens: int) -> int:
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     count = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    run_collective(dist.all_reduce, count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())
 
 
