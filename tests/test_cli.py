@@ -94,6 +94,53 @@ def test_plan_errors(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+# Bad numbers are refused by argparse, naming the flag and the rule (exit 2, no traceback).
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--world-size", "0"], "argument --world-size: must be an integer >= 1, got '0'"),
+    (["demo", "--reps", "-1"], "argument --reps: must be an integer >= 0, got '-1'"),
+    (["demo", "--tokens", "1_000"], "argument --tokens: must be an integer >= 1, got '1_000'"),
+    (["demo", "--seed", "1.5"], "argument --seed: must be an integer >= 0"),
+    (["demo", "--seed", str(2**64)], "argument --seed: must be an integer >= 0 and <= "
+                                     f"{2**64 - 1}, got '{2**64}'"),
+    (["plan", "--model", "deepseek-r1", "--dp", "8", "--seed", "-1"],
+     "argument --seed: must be an integer >= 0"),
+    (["plan", "--model", "deepseek-r1", "--dp", "0"], "argument --dp: must be an integer >= 1"),
+    (["plan", "--model", "deepseek-r1", "--dp", "8", "--ep", "true"],
+     "argument --ep: must be an integer >= 1, got 'true'"),
+    (["plan", "--model", "deepseek-r1", "--dp", "8", "--max-tokens", "+5"],
+     "argument --max-tokens: must be an integer >= 1, got '+5'"),
+    *[(["plan", "--model", "deepseek-r1", "--dp", "8", "--gpu-memory-gib", bad],
+       f"argument --gpu-memory-gib: must be a finite number > 0, got '{bad}'")
+      for bad in ("inf", "nan", "0", "-80", "1e999", "8_0")],
+])
+def test_bad_numbers_name_the_flag(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_good_numbers_parse():
+    args = cli.build_parser().parse_args(["plan", "--model", "m", "--dp", " 8 ", "--seed",
+                                          str(2**64 - 1), "--gpu-memory-gib", "79.5"])
+    assert (args.dp, args.seed, args.gpu_memory_gib) == (8, 2**64 - 1, 79.5)
+    assert cli.build_parser().parse_args(["plan", "--model", "m", "--dp", "1",
+                                          "--gpu-memory-gib", ".5e1"]).gpu_memory_gib == 5.0
+
+
+def test_closed_pipe_exits_141_quietly():
+    """``plan ... | head``: the reader is gone before plan writes (read end closed up front)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k not in cli.envs.REGISTRY}
+    try:
+        res = subprocess.run([sys.executable, "-m", "vllm_moe_fixes", "plan", "--model",
+                              "deepseek-r1", "--dp", "8"], cwd=REPO, env=env, stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    finally:
+        os.close(write_end)
+    assert (res.returncode, res.stderr) == (cli.EXIT_BROKEN_PIPE, "")
+
+
 def test_demo_single_process(capsys):
     assert main(["demo", "--reps", "1"]) == 0
     out = capsys.readouterr().out
@@ -108,14 +155,14 @@ def test_demo_fails_when_check_fails(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["demo", "--hidden", "100"], "--hidden"),
+    (["demo", "--hidden", "1000"], "--hidden must be a multiple of 128, got 1000"),
     (["demo", "--experts", "6", "--world-size", "4"], "--experts"),
     (["demo", "--topk", "17"], "--topk"),
-    (["demo", "--tokens", "0"], "--tokens"),
     (["demo", "--low-latency", "--backend", "deepep_high_throughput"], "--low-latency"),
     # Low-latency sizes DeepEP (and so the naive buffer) refuses: found before any process starts.
     (["demo", "--world-size", "2", "--low-latency", "--hidden", "1024", "--experts", "8"],
-     "hidden=1024 is not supported"),
+     "--low-latency needs --hidden to be a DeepEP low-latency hidden size (2048, 2560, 4096, "
+     "5120, 6144, 7168, 8192), got 1024"),
     (["demo", "--world-size", "2", "--low-latency", "--hidden", "2048", "--tokens", "1"],
      "must be a multiple of 4"),
 ])
@@ -210,14 +257,39 @@ def _fake_gpus(monkeypatch, count):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
 
-def test_bench_only_an_area_that_cannot_run_is_refused(tmp_path, monkeypatch, capsys):
+def test_bench_only_a_missing_module_is_refused(tmp_path, monkeypatch, capsys):
     _fake_gpus(monkeypatch, 1)
-    (tmp_path / "bench_all2all.py").write_text("raise SystemExit('must not run')\n")
-    assert main(["bench", "--only", "all2all", "--dir", str(tmp_path)]) == 2
-    assert "needs 2 GPUs" in capsys.readouterr().err
     assert main(["bench", "--only", "quant", "--dir", str(tmp_path)]) == 2
     assert "bench_quant.py not found" in capsys.readouterr().err
     assert not (tmp_path / "results").exists()  # refused before anything ran
+
+
+# A stand-in benchmark module: records how it was run.
+_RECORDER = """import json, os, sys
+with open(os.path.join(os.path.dirname(__file__), "ran.json"), "w") as f:
+    json.dump({"name": __name__, "argv": sys.argv[1:], "cwd": os.getcwd()}, f)
+"""
+
+
+@pytest.mark.parametrize("area, gpus, argv", [("quant", 1, []), ("grouped_topk", 1, []),
+                                              ("all2all", 1, []),
+                                              ("all2all", 2, ["--world-size", "2"])])
+def test_bench_runs_the_module_from_the_package_parent(area, gpus, argv, tmp_path, monkeypatch):
+    _fake_gpus(monkeypatch, gpus)
+    monkeypatch.setattr(cli, "_plot", lambda results_dir: [])
+    package = tmp_path / "benchpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / f"{cli.BENCH_AREAS[area]}.py").write_text(_RECORDER)
+    assert main(["bench", "--only", area, "--dir", str(package)]) == 0
+    ran = json.loads((package / "ran.json").read_text())
+    assert ran == {"name": "__main__", "argv": argv, "cwd": str(tmp_path)}
+    assert (package / "results" / f"{cli.BENCH_AREAS[area]}.log").is_file()
+
+
+def test_bench_areas_are_the_repo_benchmark_modules():
+    for module in cli.BENCH_AREAS.values():
+        assert os.path.isfile(os.path.join(REPO, "benchmarks", f"{module}.py")), module
 
 
 def test_bench_missing_script_is_a_failure(tmp_path, monkeypatch, capsys):

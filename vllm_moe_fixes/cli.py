@@ -3,11 +3,13 @@
     vllm-moe-fixes check                       versions, GPU, optional libraries, env values, backends
     vllm-moe-fixes plan --model deepseek-r1 --dp 32 [--ep N] [--max-tokens T] [--backend B] [--json]
     vllm-moe-fixes demo [--world-size N] [--tokens M] [--seed S]   one layer vs the reference
-    vllm-moe-fixes bench [--only AREA] [--plot-only]              benchmarks/ scripts + PNG plots
+    vllm-moe-fixes bench [--only AREA] [--plot-only]              benchmarks/ modules + PNG plots
 
 Also ``python -m vllm_moe_fixes``. Exit status: 0 success, 1 a failed demo (a wrong result, or an
 error while running the layer on any rank) or benchmark, 2 a bad argument or environment value, or a
-backend the environment asks for that cannot run (found before anything runs).
+backend the environment asks for that cannot run (found before anything runs), 141 the reader of
+the output went away (``plan ... | head``): what a shell reports for a command SIGPIPE ended,
+without a traceback. Integer arguments are decimal digits only, as environment values are.
 Heavy imports (torch, Triton, the kernels) happen inside the subcommand that needs them.
 """
 
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -26,9 +30,12 @@ from pathlib import Path
 from vllm_moe_fixes import envs
 
 DEMO_TOLERANCE = 4e-3
-BENCH_AREAS = {"quant": "bench_quant.py", "moe_sum": "bench_moe_sum.py",
-               "grouped_gemm": "bench_grouped_gemm.py", "experts": "bench_experts.py",
-               "all2all": "bench_all2all.py"}
+# bench area -> module of the benchmarks package, run as ``python -m benchmarks.<module>``.
+BENCH_AREAS = {"quant": "bench_quant", "moe_sum": "bench_moe_sum",
+               "grouped_gemm": "bench_grouped_gemm", "experts": "bench_experts",
+               "grouped_topk": "bench_grouped_topk", "all2all": "bench_all2all"}
+# Exit status after the output's reader went away: 128 + SIGPIPE, as a shell reports it.
+EXIT_BROKEN_PIPE = 141
 
 
 # Series whose name holds one of these are anchors (copy ceiling, torch, DeepGEMM, figures.md...):
@@ -38,6 +45,39 @@ ANCHOR_WORDS = ("copy", "torch", "deepgemm", "figure", "scaled_mm", "bf16", "vll
 
 class UsageError(Exception):
     """A problem with the arguments or the environment: printed, exit status 2."""
+
+
+# ------------------------------------------------------------------------------ argument types
+# argparse reports a type's ArgumentTypeError as "argument --flag: <message>", exit status 2.
+def int_at_least(minimum: int, maximum: int | None = None):
+    """An argparse type: a decimal integer in [minimum, maximum] (digits only, like env values)."""
+    allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+
+    def parse(text: str) -> int:
+        try:
+            value = envs.parse_decimal(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    parse.__name__ = allowed  # argparse names the type in some messages
+    return parse
+
+
+_DECIMAL_FLOAT = re.compile(r"\s*(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite decimal number > 0 (no inf, nan, sign or ``_``)."""
+    value = float(text) if _DECIMAL_FLOAT.fullmatch(text) else math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+SEED = int_at_least(0, 2**64 - 1)  # the range torch.Generator.manual_seed takes
 
 
 # ------------------------------------------------------------------------------------------ check
@@ -179,6 +219,7 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
     """Build and run the layer for one rank; returns its measurements (and the check)."""
     import torch
 
+    from vllm_moe_fixes._memory import peak_memory
     from vllm_moe_fixes.fused_moe.contiguous_experts import select_experts
     from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
     from vllm_moe_fixes.fused_moe.routing import moe_reference
@@ -210,14 +251,11 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
         return kernel(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s,
                       global_num_experts=E, expert_map=expert_map)
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    first, times, out = _time_calls(call, device, args.reps)
-    if device.type == "cuda":
-        peak = f"{(torch.cuda.max_memory_allocated(device) - base) / 2**20:.1f} MiB over inputs and weights"
-    else:
+    with peak_memory(device) as measured:
+        first, times, out = _time_calls(call, device, args.reps)
+    if measured.bytes is not None:
+        peak = f"{measured.bytes / 2**20:.1f} MiB over inputs and weights"
+    else:  # the CPU allocator keeps no peak: the process's high-water mark instead
         import resource
         peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB process RSS"
     out = out.float().cpu()
@@ -279,6 +317,7 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
     backends or sizes that cannot run here."""
     from vllm_moe_fixes._compat import deep_ep, deep_gemm
     from vllm_moe_fixes.distributed.deepep_sizing import (
+        LL_SUPPORTED_HIDDEN,
         check_low_latency_config,
         deepep_nvl_bytes,
     )
@@ -287,15 +326,13 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
         envs.current_values()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    checks = [(args.world_size >= 1, f"--world-size must be >= 1, got {args.world_size}"),
-              (args.tokens >= 1, f"--tokens must be >= 1, got {args.tokens}"),
-              (args.hidden > 0 and args.hidden % 128 == 0, f"--hidden must be a positive multiple of 128, got {args.hidden}"),
-              (args.intermediate > 0 and args.intermediate % 128 == 0,
-               f"--intermediate must be a positive multiple of 128, got {args.intermediate}"),
-              (args.experts >= 1 and args.experts % args.world_size == 0,
-               f"--experts ({args.experts}) must be a positive multiple of --world-size ({args.world_size})"),
-              (1 <= args.topk <= args.experts, f"--topk must be in [1, --experts={args.experts}], got {args.topk}"),
-              (args.reps >= 0, f"--reps must be >= 0, got {args.reps}")]
+    # The argument types have checked each number's range; these are the rules between them.
+    checks = [(args.hidden % 128 == 0, f"--hidden must be a multiple of 128, got {args.hidden}"),
+              (args.intermediate % 128 == 0,
+               f"--intermediate must be a multiple of 128, got {args.intermediate}"),
+              (args.experts % args.world_size == 0,
+               f"--experts ({args.experts}) must be a multiple of --world-size ({args.world_size})"),
+              (args.topk <= args.experts, f"--topk must be <= --experts={args.experts}, got {args.topk}")]
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
@@ -313,6 +350,9 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
                              "from source or use the naive backend")
         if not use_cuda:
             raise UsageError(f"backend {backend} runs on GPUs only: use the naive backend on CPU")
+    if _demo_low_latency(args) and args.hidden not in LL_SUPPORTED_HIDDEN:
+        raise UsageError(f"--low-latency needs --hidden to be a DeepEP low-latency hidden size "
+                         f"({', '.join(map(str, LL_SUPPORTED_HIDDEN))}), got {args.hidden}")
     try:
         if _demo_low_latency(args):
             check_low_latency_config(args.tokens, args.hidden, n, args.experts)
@@ -365,8 +405,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _benchmarks_dir(arg: str | None) -> Path:
     path = Path(arg) if arg else Path(__file__).resolve().parent.parent / "benchmarks"
     if not path.is_dir():
-        raise UsageError(f"no benchmarks directory at {path}: bench runs the scripts of a source "
-                         "checkout (pass --dir)")
+        raise UsageError(f"no benchmarks directory at {path}: bench runs the benchmark modules of "
+                         "a source checkout (pass --dir)")
     return path
 
 
@@ -436,6 +476,14 @@ def _plot(results_dir: Path) -> list[Path]:
     return written
 
 
+def _bench_command(area: str, package: str, num_gpus: int) -> list[str]:
+    """The command line of one area's benchmark module (all-to-all over 2 GPUs where there are)."""
+    command = [sys.executable, "-m", f"{package}.{BENCH_AREAS[area]}"]
+    if area == "all2all" and num_gpus >= 2:
+        command += ["--world-size", "2"]
+    return command
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     bench_dir = _benchmarks_dir(args.dir)
     failed = []
@@ -445,36 +493,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError("bench needs a CUDA GPU: the benchmarks time the Triton kernels on "
                              "the device (use --plot-only to draw plots from existing results)")
         areas = [args.only] if args.only else list(BENCH_AREAS)
-        scripts = [(a, bench_dir / BENCH_AREAS[a]) for a in areas]
-        one_gpu = torch.cuda.device_count() < 2
-        if args.only:  # the one area asked for must run: refuse before starting anything
-            if not scripts[0][1].is_file():
-                raise UsageError(f"--only {args.only}: {BENCH_AREAS[args.only]} not found in {bench_dir}")
-            if args.only == "all2all" and one_gpu:
-                raise UsageError("--only all2all needs 2 GPUs (bench_all2all.py --world-size 2); "
-                                 f"{torch.cuda.device_count()} visible")
-        for a, script in scripts:
-            if not script.is_file():  # a checkout missing a benchmark: that area failed
-                print(f"  {a}: {script.name} not found in {bench_dir}: FAILED")
-                failed.append(a)
-        scripts = [(a, s) for a, s in scripts if s.is_file()]
-        if one_gpu and any(a == "all2all" for a, _ in scripts):
-            print("  all2all: needs 2 GPUs (bench_all2all.py --world-size 2), skipped on this machine")
-            scripts = [(a, s) for a, s in scripts if a != "all2all"]
+        missing = [a for a in areas if not (bench_dir / f"{BENCH_AREAS[a]}.py").is_file()]
+        if args.only and missing:  # the one area asked for must run: refuse before starting
+            raise UsageError(f"--only {args.only}: {BENCH_AREAS[args.only]}.py not found in {bench_dir}")
+        for a in missing:  # a checkout missing a benchmark: that area failed
+            print(f"  {a}: {BENCH_AREAS[a]}.py not found in {bench_dir}: FAILED")
+        failed += missing
+        areas = [a for a in areas if a not in missing]
         (bench_dir / "results").mkdir(exist_ok=True)
-        for i, (area, script) in enumerate(scripts):
-            _progress(i, len(scripts), f"running {script.name}")
-            log = bench_dir / "results" / f"{script.stem}.log"
+        for i, area in enumerate(areas):
+            command = _bench_command(area, bench_dir.name, torch.cuda.device_count())
+            _progress(i, len(areas), f"running {' '.join(command[1:])}")
+            log = bench_dir / "results" / f"{BENCH_AREAS[area]}.log"
             start = time.perf_counter()
             with open(log, "w") as f:
-                rc = subprocess.run([sys.executable, str(script)], cwd=bench_dir.parent,
-                                    stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+                rc = subprocess.run(command, cwd=bench_dir.parent, stdout=f,
+                                    stderr=subprocess.STDOUT, check=False).returncode
             status = "ok" if rc == 0 else f"FAILED (exit {rc})"
-            print(f"  {script.name}: {status} in {time.perf_counter() - start:.0f} s, log {log}")
+            print(f"  {BENCH_AREAS[area]}: {status} in {time.perf_counter() - start:.0f} s, log {log}")
             if rc:
                 failed.append(area)
                 print("    " + "\n    ".join(log.read_text().splitlines()[-10:]))
-        _progress(len(scripts), len(scripts), "done")
+        _progress(len(areas), len(areas), "done")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -489,6 +529,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
+    from vllm_moe_fixes.distributed.deepep_sizing import LL_SUPPORTED_HIDDEN
     from vllm_moe_fixes.planner import DEFAULT_GPU_MEMORY_GIB
 
     parser = argparse.ArgumentParser(prog="vllm-moe-fixes", description=(
@@ -499,50 +540,75 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="expert load, memory and DeepEP buffers of a DP/EP dummy run")
     p.add_argument("--model", required=True, help="preset name or a JSON file of the same fields")
-    p.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
-    p.add_argument("--ep", type=int, default=None, help="ranks per EP group (default: --dp)")
-    p.add_argument("--max-tokens", type=int, default=None,
+    p.add_argument("--dp", type=int_at_least(1), required=True, help="data-parallel ranks")
+    p.add_argument("--ep", type=int_at_least(1), default=None,
+                   help="ranks per EP group (default: --dp)")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=None,
                    help="dummy tokens per rank (default VLLM_MOE_DP_CHUNK_SIZE)")
     p.add_argument("--backend", default=None, choices=envs.ALL2ALL_BACKENDS,
                    help="all-to-all backend (default VLLM_ALL2ALL_BACKEND)")
-    p.add_argument("--gpu-memory-gib", type=float, default=DEFAULT_GPU_MEMORY_GIB,
+    p.add_argument("--gpu-memory-gib", type=positive_float, default=DEFAULT_GPU_MEMORY_GIB,
                    help="memory per GPU for the OOM flag (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="routing simulation seed")
+    p.add_argument("--seed", type=SEED, default=0, help="routing simulation seed")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     d = sub.add_parser("demo", help="one MoE layer through the modular kernel, checked")
-    d.add_argument("--world-size", type=int, default=1, help="EP ranks (processes)")
-    d.add_argument("--tokens", type=int, default=64, help="tokens per rank")
-    d.add_argument("--hidden", type=int, default=1024, help="K")
-    d.add_argument("--intermediate", type=int, default=256, help="I")
-    d.add_argument("--experts", type=int, default=16, help="E (global)")
-    d.add_argument("--topk", type=int, default=4, help="k")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--reps", type=int, default=5, help="timed calls after the first")
+    d.add_argument("--world-size", type=int_at_least(1), default=1, help="EP ranks (processes)")
+    d.add_argument("--tokens", type=int_at_least(1), default=64, help="tokens per rank")
+    d.add_argument("--hidden", type=int_at_least(128), default=1024,
+                   help="K, a multiple of 128 (with --low-latency, one of DeepEP's low-latency "
+                   f"hidden sizes: {', '.join(map(str, LL_SUPPORTED_HIDDEN))})")
+    d.add_argument("--intermediate", type=int_at_least(128), default=256,
+                   help="I, a multiple of 128")
+    d.add_argument("--experts", type=int_at_least(1), default=16, help="E (global)")
+    d.add_argument("--topk", type=int_at_least(1), default=4, help="k")
+    d.add_argument("--seed", type=SEED, default=0)
+    d.add_argument("--reps", type=int_at_least(0), default=5, help="timed calls after the first")
     d.add_argument("--backend", default=None, choices=envs.ALL2ALL_BACKENDS,
                    help="all-to-all backend for --world-size > 1 (default VLLM_ALL2ALL_BACKEND)")
     d.add_argument("--low-latency", action="store_true", help="low-latency dispatch (batched "
-                   "experts) with the naive backend; implied by deepep_low_latency")
+                   "experts) with the naive backend; implied by deepep_low_latency; needs a "
+                   "DeepEP low-latency --hidden")
     d.add_argument("--cpu", action="store_true", help="run on CPU even where GPUs exist")
 
     b = sub.add_parser("bench", help="run benchmarks/ (GPU) and plot benchmarks/results/*.json")
     b.add_argument("--only", choices=sorted(BENCH_AREAS), default=None)
     b.add_argument("--plot-only", action="store_true", help="only draw plots from existing JSON")
-    b.add_argument("--dir", default=None, help="benchmarks directory (default: the checkout's)")
+    b.add_argument("--dir", default=None, help="benchmarks package directory (default: the "
+                   "checkout's); its modules run with its parent as the working directory")
     return parser
 
 
 COMMANDS = {"check": cmd_check, "plan": cmd_plan, "demo": cmd_demo, "bench": cmd_bench}
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises no second BrokenPipeError."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a non-file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default sys.argv[1:]); returns the exit status."""
-    args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a bad argument (2), already printed
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
+        return status
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (``| head``): nothing more to say to it
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
