@@ -140,12 +140,30 @@ def test_bad_env_value_raises(monkeypatch):
     ({"dp_size": 0}, "dp_size"),
     ({"dp_size": True}, "dp_size"),
     ({"inputs_embeds": torch.zeros(4, dtype=torch.int64)}, "inputs_embeds"),
+    ({"input_ids": torch.zeros(4, dtype=torch.bool)}, "input_ids must be an int32 or int64"),
+    ({"vocab_size": True}, "vocab_size"),
+    ({"dp_size": 2.0}, "dp_size"),
+    # Expanded (stride 0): refused before anything is written, naming the tensor and the reason.
+    ({"input_ids": torch.zeros(1, dtype=torch.int64).expand(8)},
+     r"input_ids \(shape \(8,\), stride \(0,\)\) has elements that share memory"),
+    ({"input_ids": torch.zeros(2, 1, dtype=torch.int32).expand(2, 4)},
+     r"input_ids .* share memory"),
+    ({"inputs_embeds": torch.zeros(1, 16).expand(4, 16)}, r"inputs_embeds .* share memory"),
 ])
 def test_bad_arguments(enabled, kwargs, match):
     args = {"input_ids": torch.zeros(4, dtype=torch.int64), "vocab_size": VOCAB, "dp_size": 2, **kwargs}
     ids = args.pop("input_ids")
     with pytest.raises(ValueError, match=match), maybe_randomize_inputs(ids, **args):
-        pass
+        pytest.fail("the block must not run")
+
+
+def test_strided_but_not_overlapping_ids_are_accepted(enabled):
+    base = _nonzero_ids(20)
+    before = base.clone()
+    ids = base[::2]  # every other element: strided, no element shared
+    with maybe_randomize_inputs(ids, vocab_size=VOCAB, dp_size=2):
+        assert bool((ids < VOCAB).all()) and torch.equal(base[1::2], before[1::2])
+    assert torch.equal(base, before)
 
 
 @pytest.mark.gpu

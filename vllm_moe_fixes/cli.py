@@ -38,7 +38,7 @@ BENCH_AREAS = {"quant": "bench_quant", "moe_sum": "bench_moe_sum",
 EXIT_BROKEN_PIPE = 141
 
 
-# Series whose name holds one of these are anchors (copy ceiling, torch, DeepGEMM, figures.md...):
+# Series whose name holds one of these are anchors (copy ceiling, torch, DeepGEMM, published figures):
 # drawn dashed beside our kernels' solid lines.
 ANCHOR_WORDS = ("copy", "torch", "deepgemm", "figure", "scaled_mm", "bf16", "vllm", "deepep")
 

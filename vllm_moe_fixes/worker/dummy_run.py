@@ -71,11 +71,21 @@ def _random_embeds(like: torch.Tensor) -> torch.Tensor:
         like.shape, dtype=like.dtype, device=like.device, generator=_generator(like.device, seed)))
 
 
+def _check_writable(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor whose elements share memory (an ``expand``-ed tensor, stride 0): writing
+    random values into it, or its saved contents back, cannot be done element by element."""
+    if torch._debug_has_internal_overlap(tensor) == 1:  # 1: certainly overlapping
+        raise ValueError(f"{name} (shape {tuple(tensor.shape)}, stride {tensor.stride()}) has "
+                         "elements that share memory (an expanded tensor?): the ids are written "
+                         "in place, so pass a tensor that owns each element (e.g. .clone())")
+
+
 def _validate(input_ids, vocab_size, dp_size, inputs_embeds) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (
             torch.int32, torch.int64):
         raise ValueError(f"input_ids must be an int32 or int64 tensor, got "
                          f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+    _check_writable("input_ids", input_ids)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab_size must be an int > 0, got {vocab_size!r}")
     if vocab_size - 1 > torch.iinfo(input_ids.dtype).max:
@@ -86,6 +96,8 @@ def _validate(input_ids, vocab_size, dp_size, inputs_embeds) -> None:
             not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point()):
         raise ValueError(f"inputs_embeds must be None or a floating-point tensor, got "
                          f"{getattr(inputs_embeds, 'dtype', type(inputs_embeds).__name__)}")
+    if inputs_embeds is not None:
+        _check_writable("inputs_embeds", inputs_embeds)
 
 
 @contextlib.contextmanager
@@ -100,8 +112,8 @@ def maybe_randomize_inputs(input_ids: torch.Tensor, *, vocab_size: int, dp_size:
     end up holding exactly what they held before.
 
     Arguments:
-        input_ids: int32/int64 tensor of any shape (typically [num_tokens]), CPU or CUDA; holds
-            ids uniform in [0, vocab_size) inside the block.
+        input_ids: int32/int64 tensor of any shape (typically [num_tokens]), CPU or CUDA, each
+            element its own memory; holds ids uniform in [0, vocab_size) inside the block.
         vocab_size: int > 0, the model's vocabulary size.
         dp_size: int >= 1, the data-parallel world size.
         inputs_embeds: optional floating tensor of any shape (typically [num_tokens, hidden]); holds
@@ -111,8 +123,9 @@ def maybe_randomize_inputs(input_ids: torch.Tensor, *, vocab_size: int, dp_size:
         ``True`` when the inputs were randomised, ``False`` when nothing was touched.
 
     Raises:
-        ValueError: an argument of the wrong type, dtype or range (names the argument); a bad
-            ``VLLM_RANDOMIZE_DP_DUMMY_INPUTS`` value (from ``vllm_moe_fixes.envs``).
+        ValueError: an argument of the wrong type, dtype or range, or a tensor whose elements
+            share memory (expanded, stride 0), named, checked whether or not randomisation is
+            enabled; a bad ``VLLM_RANDOMIZE_DP_DUMMY_INPUTS`` value (from ``vllm_moe_fixes.envs``).
     """
     _validate(input_ids, vocab_size, dp_size, inputs_embeds)
     if dp_size == 1 or not envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS:
