@@ -309,3 +309,19 @@ def test_series_extraction():
     assert cli._series({"rows": []}) is None
     labels, series, unit = cli._series({"results": {"ht_dispatch_fp8": {"us": 256.0, "GBps": 236.0}}})
     assert labels == ["ht_dispatch_fp8"] and series == {"GBps": [236.0]} and unit.startswith("GB/s")
+
+
+def test_readme_lists_the_plan_model_fields_and_its_example_is_the_preset(tmp_path, capsys):
+    import dataclasses
+    import re
+
+    from vllm_moe_fixes.config import PRESETS, MoEModelConfig
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    for field in dataclasses.fields(MoEModelConfig):
+        assert f"`{field.name}`" in readme, field.name
+    example = re.search(r"DeepSeek-R1 is `(\{.*?\})`", readme, re.S).group(1)
+    path = tmp_path / "deepseek-r1.json"
+    path.write_text(example)
+    assert main(["plan", "--model", str(path), "--dp", "32", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"] == PRESETS["deepseek-r1"].to_dict()
