@@ -63,9 +63,27 @@ def _worker(rank: int, world_size: int, backend: str, fn, args, out_dir: str) ->
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; raise if any fails.
 
-    Returns ``[fn's return value on rank r for r in range(world_size)]``.
+    Arguments:
+        fn: a module-level function ``fn(rank, world_size, *args)``, called with the group joined.
+        world_size: int >= 1, the number of ranks (processes).
+        *args: passed to every rank (pickled for NCCL's spawned ranks).
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (one GPU per rank: needs ``world_size``
+            visible GPUs).
+
+    Returns ``[fn's return value on rank r for r in range(world_size)]``. Raises ``ValueError``
+    for a bad ``world_size`` or ``backend`` (before any process starts).
     """
+    import torch
     import torch.multiprocessing as mp
+
+    from vllm_moe_fixes._validate import check, check_positive_int
+
+    check_positive_int("world_size", world_size)
+    check(backend in ("gloo", "nccl"), f"backend={backend!r} must be 'gloo' or 'nccl'")
+    if backend == "nccl":
+        visible = torch.cuda.device_count()
+        check(visible >= world_size, f"backend='nccl' runs one rank per GPU: world_size="
+                                     f"{world_size} needs that many GPUs, {visible} visible")
 
     # fork is several times faster than spawn (no re-import of torch); CUDA needs spawn.
     method = "spawn" if backend == "nccl" else "fork"
