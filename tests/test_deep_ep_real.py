@@ -27,7 +27,9 @@ from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.routing import moe_reference
 from vllm_moe_fixes.ops.reference import quant_block_fp8, rel_err
 
-HIDDEN, INTER, MAX_TOKENS, TOPK = 2048, 128, 16, 6  # a hidden size DeepEP's LL kernels compile
+# A hidden size DeepEP's LL kernels compile; MAX_TOKENS * ranks a multiple of 128, as
+# BatchedDeepGemmExperts requires (DeepGEMM's masked GEMM stores whole 128-row tiles).
+HIDDEN, INTER, MAX_TOKENS, TOPK = 2048, 128, 128, 6
 EXPERTS_PER_RANK = 8
 
 pytestmark = [pytest.mark.deep_ep, pytest.mark.gpu]
@@ -67,7 +69,7 @@ def _ll_layer_worker(rank: int, world: int, experts_kind: str) -> None:
     expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
     expert_map[local] = torch.arange(EXPERTS_PER_RANK, dtype=torch.int32, device=device)
     experts = BatchedDeepGemmExperts() if experts_kind == "deep_gemm" else BatchedTritonExperts()
-    for tokens, masked in ((MAX_TOKENS, False), (1, False), (5, True)):
+    for tokens, masked in ((MAX_TOKENS, False), (1, False), (37, True)):
         x, weights, ids = _tokens(rank, tokens, num_experts, masked, device)
         ref = moe_reference(x, w1, w2, weights, ids, w1_scale=s1, w2_scale=s2)
         for fp8 in (True, False):

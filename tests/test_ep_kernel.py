@@ -310,6 +310,15 @@ def test_batched_experts_errors():
         BatchedTritonExperts().apply(None, a_q, a_s, w1, w2, s1, s2, None, None, "gelu", None, None, counts)
 
 
+def test_batched_deep_gemm_refuses_slices_its_tiles_overrun():
+    """DeepGEMM's masked GEMM stores whole 128-row tiles: a slice of T=16 rows is refused before
+    any launch (on the H200 such a call wrote over the next expert's rows)."""
+    _, (a_q, a_s), (w1, s1, w2, s2), counts = _batched_case("cpu", T=16)
+    experts = object.__new__(BatchedDeepGemmExperts)  # the check needs no DeepGEMM
+    with pytest.raises(ValueError, match="multiple of 128, got T=16"):
+        _apply_batched(experts, a_q, a_s, w1, s1, w2, s2, counts)
+
+
 @pytest.mark.skipif(deep_gemm_compat.is_available(), reason="deep_gemm is installed here")
 def test_batched_deep_gemm_needs_deep_gemm():
     with pytest.raises(RuntimeError, match="VLLM_USE_DEEP_GEMM"):

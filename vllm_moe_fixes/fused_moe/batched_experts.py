@@ -139,8 +139,24 @@ class BatchedDeepGemmExperts(BatchedExperts):
     DeepGEMM) when DeepGEMM is not usable.
     """
 
+    # DeepGEMM's masked GEMM (SM90) stores whole output tiles of 64 or 128 rows into the flat
+    # [E_l * T, N] view, bounded only by the view's end: with T not a multiple of the tile, an
+    # expert's last tile overwrites the first rows of the next expert's slice. So T must be a
+    # multiple of the largest tile.
+    ROW_ALIGNMENT = 128
+
     def __init__(self) -> None:
         _deep_gemm.require("BatchedDeepGemmExperts")
+
+    def apply(self, output, a1q, *args, **kwargs) -> None:
+        t = a1q.shape[1]
+        if t % self.ROW_ALIGNMENT:
+            raise ValueError(
+                f"BatchedDeepGemmExperts needs T = num_dispatchers * max_tokens_per_rank rows per "
+                f"expert slice to be a multiple of {self.ROW_ALIGNMENT}, got T={t}: DeepGEMM's "
+                "masked GEMM writes whole 128-row tiles (choose VLLM_MOE_DP_CHUNK_SIZE so that "
+                "the rank count times it is a multiple of 128, or use BatchedTritonExperts)")
+        super().apply(output, a1q, *args, **kwargs)
 
     def gemm(self, a, w, out, masked_m, expected_m) -> None:
         _deep_gemm.m_grouped_fp8_gemm_nt_masked(a, w, out, masked_m, expected_m)
