@@ -226,7 +226,7 @@ def test_batched_experts_through_the_kernel_get_expected_m(monkeypatch):
     """BatchedTritonExperts and (fake) BatchedDeepGemmExperts through a one-rank batched
     prepare/finalize: outputs match the reference; DeepGEMM's masked GEMM gets the capacity
     estimate max_tokens * ranks * topk / E bounded to [1, T], not T."""
-    E, k, M, cap = 8, 2, 5, 6
+    E, k, M, cap = 8, 2, 5, 64  # T = cap * k = 128 rows, as DeepGEMM's masked GEMM needs
     p = make_problem(M, k, E, 128, 256, seed=12)
     out = run(FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(cap), BatchedTritonExperts()),
               p, E)
@@ -240,7 +240,7 @@ def test_batched_experts_through_the_kernel_get_expected_m(monkeypatch):
     out_dg = run(FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(cap),
                                        BatchedDeepGemmExperts()), p, E)
     assert torch.equal(out_dg, out)
-    assert seen == [cap * k // E] * 2 == [1, 1]
+    assert seen == [cap * k // E] * 2 == [16, 16]
     assert expected_rows_per_expert(128, 1, 8, 32, 1024) == 32
     assert expected_rows_per_expert(128, 4, 8, 8, 512) == 512  # bounded by T
     assert expected_rows_per_expert(1, 1, 1, 256, 8) == 1
