@@ -3,6 +3,7 @@
 #
 #     bash benchmarks/device_run.sh tests     # DeepEP + DeepGEMM (built or reused), the GPU suite
 #     bash benchmarks/device_run.sh bench     # the benchmarks, JSON tarred for the trip back
+#     BENCHES="bench_experts bench_all2all" bash benchmarks/device_run.sh bench   # some of them
 #
 # Logs and a tarball of benchmarks/results/ go to $OUT (default /tmp/out). The libraries come from
 # benchmarks/device_build.sh, unless .deps already holds their built extensions (carried back from
@@ -43,8 +44,8 @@ stage_tests() {
 
 stage_bench() {
     local b
-    for b in "bench_experts" "bench_quant" "bench_grouped_topk" "bench_all2all" \
-             "deepep_footprint --quick" "bench_moe_sum"; do
+    local benches="${BENCHES:-bench_experts bench_quant bench_grouped_topk bench_all2all deepep_footprint bench_moe_sum}"
+    for b in $benches; do
         echo "### python -m benchmarks.$b"
         timeout "${BENCH_TIMEOUT:-150}" python3 -m benchmarks.$b 2>&1 | tail -n 60
     done 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -n 150
