@@ -53,7 +53,8 @@ def _measure(rank: int, world: int, backend: str, n: int, hidden: int, experts: 
 
     from vllm_moe_fixes.distributed.buffers import clear_all2all_buffers, make_all2all_buffer
 
-    os.environ["VLLM_DEEPEP_BUFFER_SIZE_MB"] = str(buffer_mb)
+    if buffer_mb:  # high-throughput cases size the NVLink buffer; low-latency ones keep the default
+        os.environ["VLLM_DEEPEP_BUFFER_SIZE_MB"] = str(buffer_mb)
     dist.all_gather_object([None] * world, rank)  # NCCL's buffers and torch's first block, before
     torch.cuda.synchronize()
     free_before, total = torch.cuda.mem_get_info()
