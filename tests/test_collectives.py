@@ -26,7 +26,8 @@ def _released_worker(rank, world):
         run_collective(recording_all_to_all, out, inp, group=dist.group.WORLD)
         alias_out, alias_in = seen[-1]
         still_held += alias_out._use_count() > 1 or alias_in._use_count() > 1
-        want = torch.cat([torch.arange(4 * rank, 4 * rank + 4) + 1000 * r + i for r in range(world)])
+        want = torch.cat([torch.arange(4 * rank, 4 * rank + 4) + 1000 * r + i
+                          for r in range(world)])
         wrong += not torch.equal(out, want)
         seen.clear()
     total = torch.tensor([rank + 1])

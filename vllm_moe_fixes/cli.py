@@ -1,6 +1,6 @@
 """``vllm-moe-fixes``: check the install, plan a DP/EP configuration, run one MoE layer, benchmark.
 
-    vllm-moe-fixes check                       versions, GPU, optional libraries, env values, backends
+    vllm-moe-fixes check                       versions, GPU, optional libraries, env, backends
     vllm-moe-fixes plan --model deepseek-r1 --dp 32 [--ep N] [--max-tokens T] [--backend B] [--json]
     vllm-moe-fixes demo [--world-size N] [--tokens M] [--seed S]   one layer vs the reference
     vllm-moe-fixes bench [--only AREA] [--plot-only]              benchmarks/ modules + PNG plots
@@ -38,8 +38,8 @@ BENCH_AREAS = {"quant": "bench_quant", "moe_sum": "bench_moe_sum",
 EXIT_BROKEN_PIPE = 141
 
 
-# Series whose name holds one of these are anchors (copy ceiling, torch, DeepGEMM, published figures):
-# drawn dashed beside our kernels' solid lines.
+# Series whose name holds one of these are anchors (copy ceiling, torch, DeepGEMM, published
+# figures): drawn dashed beside our kernels' solid lines.
 ANCHOR_WORDS = ("copy", "torch", "deepgemm", "figure", "scaled_mm", "bf16", "vllm", "deepep")
 
 
@@ -331,8 +331,10 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
               (args.intermediate % 128 == 0,
                f"--intermediate must be a multiple of 128, got {args.intermediate}"),
               (args.experts % args.world_size == 0,
-               f"--experts ({args.experts}) must be a multiple of --world-size ({args.world_size})"),
-              (args.topk <= args.experts, f"--topk must be <= --experts={args.experts}, got {args.topk}")]
+               f"--experts ({args.experts}) must be a multiple of --world-size "
+               f"({args.world_size})"),
+              (args.topk <= args.experts,
+               f"--topk must be <= --experts={args.experts}, got {args.topk}")]
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
@@ -495,7 +497,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         areas = [args.only] if args.only else list(BENCH_AREAS)
         missing = [a for a in areas if not (bench_dir / f"{BENCH_AREAS[a]}.py").is_file()]
         if args.only and missing:  # the one area asked for must run: refuse before starting
-            raise UsageError(f"--only {args.only}: {BENCH_AREAS[args.only]}.py not found in {bench_dir}")
+            raise UsageError(f"--only {args.only}: {BENCH_AREAS[args.only]}.py not found in "
+                             f"{bench_dir}")
         for a in missing:  # a checkout missing a benchmark: that area failed
             print(f"  {a}: {BENCH_AREAS[a]}.py not found in {bench_dir}: FAILED")
         failed += missing
@@ -510,7 +513,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 rc = subprocess.run(command, cwd=bench_dir.parent, stdout=f,
                                     stderr=subprocess.STDOUT, check=False).returncode
             status = "ok" if rc == 0 else f"FAILED (exit {rc})"
-            print(f"  {BENCH_AREAS[area]}: {status} in {time.perf_counter() - start:.0f} s, log {log}")
+            seconds = time.perf_counter() - start
+            print(f"  {BENCH_AREAS[area]}: {status} in {seconds:.0f} s, log {log}")
             if rc:
                 failed.append(area)
                 print("    " + "\n    ".join(log.read_text().splitlines()[-10:]))

@@ -1,4 +1,4 @@
-"""Synchronous torch.distributed collectives that return only once the backend has let go of the tensors.
+"""Synchronous torch.distributed collectives that return once the backend has let go of the tensors.
 
 gloo runs a collective on one of its worker threads. The caller's ``wait()`` returns as soon as
 the worker marks the work complete, but the worker drops its own references to the work's tensors
@@ -34,13 +34,13 @@ RELEASE_TIMEOUT_S = 10.0
 
 
 def run_collective(collective: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
-    """Call ``collective(*args, **kwargs)``, a synchronous collective such as ``dist.all_to_all_single``
-    or ``dist.all_reduce``, and return once the backend holds none of the CPU tensors among
-    ``args``.
+    """Call ``collective(*args, **kwargs)``, a synchronous collective such as
+    ``dist.all_to_all_single`` or ``dist.all_reduce``, and return once the backend holds none of
+    the CPU tensors among ``args``.
 
     Arguments:
-        collective: a torch.distributed collective called without ``async_op`` (it has completed when it
-            returns).
+        collective: a torch.distributed collective called without ``async_op`` (it has completed
+            when it returns).
         *args: its positional arguments; each tensor (any shape and dtype, CPU or CUDA) is passed
             as an alias (``tensor.detach()``: the same storage, written in place as usual).
         **kwargs: its keyword arguments (``group=``, ``op=``...), passed unchanged.

@@ -1,4 +1,4 @@
-"""Run a function on every rank of a fresh local process group (gloo on CPU, NCCL one process per GPU).
+"""Run a function on every rank of a fresh local process group (gloo on CPU, NCCL one GPU per rank).
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes that join a group through
 a file store in a fresh temporary directory (no TCP port to pick, so no race with another process
@@ -43,9 +43,10 @@ def _worker(rank: int, world_size: int, backend: str, fn, args, out_dir: str) ->
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120),
-                            **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
+    device = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(out_dir, 'store')}",
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120), **device)
     try:
         try:
             result = fn(rank, world_size, *args)
