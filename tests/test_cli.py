@@ -159,6 +159,8 @@ def test_demo_fails_when_check_fails(monkeypatch, capsys):
     (["demo", "--experts", "6", "--world-size", "4"], "--experts"),
     (["demo", "--topk", "17"], "--topk"),
     (["demo", "--low-latency", "--backend", "deepep_high_throughput"], "--low-latency"),
+    (["demo", "--low-latency", "--hidden", "2048"], "--low-latency selects the expert-parallel "
+     "low-latency dispatch: it needs --world-size >= 2"),
     # Low-latency sizes DeepEP (and so the naive buffer) refuses: found before any process starts.
     (["demo", "--world-size", "2", "--low-latency", "--hidden", "1024", "--experts", "8"],
      "--low-latency needs --hidden to be a DeepEP low-latency hidden size (2048, 2560, 4096, "

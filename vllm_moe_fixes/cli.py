@@ -344,8 +344,11 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
     if envs.VLLM_USE_DEEP_GEMM and not deep_gemm.is_available():
         raise UsageError("VLLM_USE_DEEP_GEMM=1 but DeepGEMM is not importable: build it from source "
                          "or set VLLM_USE_DEEP_GEMM=0")
+    if n == 1 and args.low_latency:
+        raise UsageError("--low-latency selects the expert-parallel low-latency dispatch: it needs "
+                         "--world-size >= 2 (one rank runs without an all-to-all)")
     if n == 1:
-        return  # no all-to-all: the backend and --low-latency play no part
+        return  # no all-to-all: the backend plays no part
     if backend != "naive":
         if not deep_ep.is_available():
             raise UsageError(f"backend {backend} needs DeepEP, which is not importable: build it "
