@@ -9,9 +9,10 @@ through a temporary file per rank, so return small, picklable, preferably CPU ob
 A failure on any rank fails the caller: every failing rank prints its own traceback to stderr (the
 launcher reports only one rank's error, often a peer's "connection closed") and the call raises.
 ``fn`` must be a module-level function. gloo ranks are forked (fast); NCCL ranks are spawned (CUDA
-cannot be forked), which costs seconds: run several cases per call. A forked rank ends with
-``os._exit`` (no interpreter finalization); every rank destroys its group before it returns, so no
-backend thread outlives it. Each child sets
+cannot be forked), which costs seconds: run several cases per call. Every rank destroys its
+group before it returns. A forked rank then ends with ``os._exit`` (multiprocessing's fork
+start), without interpreter finalization, so a gloo worker thread still releasing a tensor cannot
+abort it at exit (see ``collectives``). Each child sets
 ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off) in its own environment; the caller's is untouched.
 
 Not imported by ``vllm_moe_fixes.distributed`` (which must stay torch-free); torch is imported here.
