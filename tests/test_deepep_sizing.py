@@ -134,11 +134,19 @@ def test_high_throughput_refusals():
 def test_footprint_model():
     hint = deepep_ll_rdma_bytes(128, 7168, 1, 32)
     assert hint == 238_551_424  # 227.5 MiB
-    # The measured case (H200, world size 1): 2884 MiB.
-    assert deepep_buffer_footprint_bytes(0, hint) == 2884 * 2**20
-    # One byte past a 512 MiB heap step costs another step.
-    base = deepep_buffer_footprint_bytes(0, 2**29)
-    assert deepep_buffer_footprint_bytes(0, 2**29 + 128) == base + 2**29
+    # The H200 measurements at world size 1 (benchmarks/results/deepep_footprint.json), in MiB:
+    # RDMA buffers that fit in NVSHMEM's first heap step cost 2882 whatever their size; larger
+    # ones get their own mapping in 512 MiB steps beside it.
+    MiB = 2**20
+    for n, h, e, measured in ((4, 2048, 2, 2882), (128, 7168, 32, 2882), (128, 7168, 64, 2882),
+                              (128, 7168, 70, 3394), (128, 7168, 72, 3394),
+                              (128, 7168, 76, 3906), (128, 7168, 144, 3906),
+                              (128, 7168, 256, 4930), (256, 7168, 256, 6978)):
+        model = deepep_buffer_footprint_bytes(0, deepep_ll_rdma_bytes(n, h, 1, e))
+        assert model == measured * MiB, (n, h, e, model / MiB, measured)
+    # One byte past a heap step costs another step.
+    base = deepep_buffer_footprint_bytes(0, 2**30)
+    assert deepep_buffer_footprint_bytes(0, 2**30 + 128) == base + 2**29
     # Intranode high throughput: no NVSHMEM; the NVLink buffer in 2 MiB pages plus the workspace.
     assert deepep_buffer_footprint_bytes(2**30, 0) == 2**30 + 2 * 2**20 + 32 * 2**20
 

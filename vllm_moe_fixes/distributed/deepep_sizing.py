@@ -278,21 +278,23 @@ def check_deepep_config(backend: str, *, num_ranks: int, max_tokens_per_rank: in
 # - a 32 MiB workspace (cudaMalloc) per buffer, always;
 # - the NVLink buffer plus 8 barrier ints and 16 pointers, one cudaMalloc (2 MiB pages);
 # - where num_rdma_bytes > 0 (low-latency, or internode high-throughput), NVSHMEM: DeepEP sets
-#   NVSHMEM_CUMEM_GRANULARITY = 2**29, so the symmetric heap that holds the RDMA buffer is mapped
-#   in 512 MiB steps, and NVSHMEM's initialisation takes a fixed amount per process on top
-#   (its device state, transports and internal buffers).
-# Calibration (one H200, DeepEP v1.2.1, nvidia-nvshmem-cu13, world size 1, low-latency,
-# N=128, H=7168, E=32: hint 238,551,424 bytes = 227.5 MiB): torch.cuda.mem_get_info fell by
-# 2884 MiB while creating the buffer = 32 MiB workspace + 512 MiB heap (the hint rounded up to
-# 2**29) + 2340 MiB, which is NVSHMEM_FIXED_BYTES. ``python -m benchmarks.deepep_footprint``
-# measures more sizes and prints what this model predicts beside each measurement.
+#   NVSHMEM_CUMEM_GRANULARITY = 2**29, so NVSHMEM's symmetric heap is mapped in 512 MiB steps.
+#   Its initialisation maps the first step, where NVSHMEM keeps some buffers of its own, and
+#   takes a fixed amount per process beside the heap (device state, transports). An RDMA buffer
+#   that fits beside NVSHMEM's own share lives in that first step; a larger one gets a mapping of
+#   its own, rounded up to whole steps, and the first step stays.
+# Measured (one H200, DeepEP v1.2.1, nvidia-nvshmem-cu13, world size 1, low-latency buffers,
+# torch.cuda.mem_get_info before and after, benchmarks/results/deepep_footprint.json):
+#   RDMA hint (MiB)   0.13  16.3  227.5  455.0 | 497.7  511.9 | 540.3  910.0  1023.8 | 1820 | 3640
+#   device MiB taken  2882  2882  2882   2882  | 3394   3394  | 3906   3906   3906   | 4930 | 6978
+# = 32 (workspace) + 2338 (fixed) + 512 (first step) [+ the hint rounded up to 512 MiB steps
+# when it exceeds the first step's free part, which lies between 512 - 497.7 and 512 - 455 MiB
+# of NVSHMEM's own use: NVSHMEM_HEAP_RESERVED_BYTES is taken in that interval].
 DEEPEP_WORKSPACE_BYTES = 32 * MiB
 CUDA_MALLOC_GRANULE = 2 * MiB
 NVSHMEM_HEAP_GRANULARITY = 2**29
-NVSHMEM_FIXED_BYTES = 2340 * MiB
-# Heap bytes NVSHMEM uses itself before DeepEP's buffer; 0 fits the calibration (the 227.5 MiB
-# buffer and NVSHMEM's own share fit one 512 MiB step either way).
-NVSHMEM_HEAP_RESERVED_BYTES = 0
+NVSHMEM_FIXED_BYTES = 2338 * MiB
+NVSHMEM_HEAP_RESERVED_BYTES = 32 * MiB
 # Barrier signals (8 ints), buffer and barrier-signal pointers (8 each) after the NVLink buffer.
 _NVL_METADATA_BYTES = NUM_MAX_NVL_PEERS * (4 + 8 + 8)
 
@@ -305,6 +307,7 @@ def deepep_buffer_footprint_bytes(num_nvl_bytes: int, num_rdma_bytes: int) -> in
     if num_nvl_bytes > 0:
         total += _align(num_nvl_bytes + _NVL_METADATA_BYTES, CUDA_MALLOC_GRANULE)
     if num_rdma_bytes > 0:
-        total += NVSHMEM_FIXED_BYTES + _align(NVSHMEM_HEAP_RESERVED_BYTES + num_rdma_bytes,
-                                              NVSHMEM_HEAP_GRANULARITY)
+        total += NVSHMEM_FIXED_BYTES + NVSHMEM_HEAP_GRANULARITY
+        if NVSHMEM_HEAP_RESERVED_BYTES + num_rdma_bytes > NVSHMEM_HEAP_GRANULARITY:
+            total += _align(num_rdma_bytes, NVSHMEM_HEAP_GRANULARITY)
     return total
