@@ -29,7 +29,7 @@ PUBLIC = {
                                  "BatchedTritonExperts", "BatchedDeepGemmExperts",
                                  "NoEPPrepareAndFinalize", "DeepEPHTPrepareAndFinalize",
                                  "DeepEPLLPrepareAndFinalize", "Workspaces", "fused_topk",
-                                 "moe_reference", "select_experts", "select_batched_experts"],
+                                 "grouped_topk", "moe_reference", "select_experts", "select_batched_experts"],
     "vllm_moe_fixes.distributed": ["TorchAll2AllBuffer", "make_all2all_buffer",
                                    "deepep_ll_rdma_bytes", "deepep_nvl_bytes", "deepep_rdma_bytes"],
     "vllm_moe_fixes.worker": ["maybe_randomize_inputs"],

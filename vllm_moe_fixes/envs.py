@@ -96,7 +96,11 @@ REGISTRY: dict[str, EnvVar] = {
         EnvVar("VLLM_DEEPEP_BUFFER_SIZE_MB", _parse_positive_int, 1024,
                "DeepEP NVLink buffer size in MiB (high-throughput mode)",
                "integer > 0"),
-        EnvVar("VLLM_FUSED_MOE_CHUNK_SIZE", _parse_positive_int, 16384,
+        # 8192: on an H200 (DeepSeek shapes, 8 local experts, DeepGemmExperts, M=32768) time per
+        # token is flat from chunks of 2048 to 32768 tokens (677-707 ns; 8192 the fastest) while
+        # the peak grows with the chunk: 1.9 GiB at 8192 against 6.1 GiB in one pass
+        # (benchmarks/results/experts_chunks.json).
+        EnvVar("VLLM_FUSED_MOE_CHUNK_SIZE", _parse_positive_int, 8192,
                "max tokens one pass of the experts takes; larger calls loop over chunks (bounds "
                "workspace memory)",
                "integer > 0"),

@@ -15,6 +15,7 @@ from vllm_moe_fixes.fused_moe.contiguous_experts import (
     select_experts,
 )
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
+from vllm_moe_fixes.fused_moe.grouped_topk import grouped_topk
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
     Experts,
@@ -29,5 +30,5 @@ from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
            "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize", "DeepGemmExperts", "Experts",
            "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize", "PrepareResult",
-           "TritonExperts", "Workspaces", "fused_topk", "moe_reference", "select_batched_experts",
+           "TritonExperts", "Workspaces", "fused_topk", "grouped_topk", "moe_reference", "select_batched_experts",
            "select_experts", "select_experts_of"]
