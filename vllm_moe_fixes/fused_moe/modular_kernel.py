@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from vllm_moe_fixes import envs
-from vllm_moe_fixes._validate import check as _check
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.permute import check_routing_ranges
 from vllm_moe_fixes.sizes import expected_rows_per_expert
@@ -336,60 +335,80 @@ class FusedMoEModularKernel:
     def _validate(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
                   expert_map, activation, apply_router_weight_on_input,
                   max_tokens_across_ranks) -> None:
+        # Each rule is tested first and its message formatted only when it fails: formatting the
+        # shapes and dtypes of every message costs more host time than the tests themselves.
         for name, t in (("hidden_states", x), ("w1", w1), ("w2", w2),
                         ("topk_weights", topk_weights),
                         ("topk_ids", topk_ids), ("w1_scale", w1_scale), ("w2_scale", w2_scale)):
-            _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t)}")
-        _check(activation == "silu", f"activation must be 'silu', got {activation!r}")
-        _check(x.dim() == 2 and x.dtype == torch.bfloat16,
-               f"hidden_states must be bfloat16 [M, K], got {x.dtype} {_shape(x)}")
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t)}")
+        if activation != "silu":
+            raise ValueError(f"activation must be 'silu', got {activation!r}")
+        if not (x.dim() == 2 and x.dtype == torch.bfloat16):
+            raise ValueError(f"hidden_states must be bfloat16 [M, K], got {x.dtype} {_shape(x)}")
         M, K = x.shape
-        _check(w1.dim() == 3 and w1.dtype == FP8_DTYPE,
-               f"w1 must be float8_e4m3fn [E_l, 2I, K], got {w1.dtype} {_shape(w1)}")
+        if not (w1.dim() == 3 and w1.dtype == FP8_DTYPE):
+            raise ValueError(f"w1 must be float8_e4m3fn [E_l, 2I, K], got {w1.dtype} {_shape(w1)}")
         E_l, two_n, k_w1 = w1.shape
-        _check(E_l > 0 and two_n > 0 and two_n % 2 == 0 and k_w1 == K,
-               f"w1 must be [E_l, 2I, K={K}] with E_l > 0 and an even 2I > 0, got {_shape(w1)}")
+        if not (E_l > 0 and two_n > 0 and two_n % 2 == 0 and k_w1 == K):
+            raise ValueError(f"w1 must be [E_l, 2I, K={K}] with E_l > 0 and an even 2I > 0, got "
+                             f"{_shape(w1)}")
         N = two_n // 2
-        _check(K % BLOCK == 0 and N % BLOCK == 0,
-               f"hidden size K={K} and intermediate size I={N} must be multiples of {BLOCK} "
-               f"(the 128x128 weight blocks and 1x128 activation groups every backend uses)")
-        _check(w2.dtype == FP8_DTYPE and _shape(w2) == (E_l, K, N),
-               f"w2 must be float8_e4m3fn [E_l, K, I] = {(E_l, K, N)}, got {w2.dtype} {_shape(w2)}")
-        _check(w1.is_contiguous() and w2.is_contiguous(), "w1 and w2 must be contiguous")
+        if K % BLOCK or N % BLOCK:
+            raise ValueError(f"hidden size K={K} and intermediate size I={N} must be multiples of "
+                             f"{BLOCK} (the 128x128 weight blocks and 1x128 activation groups "
+                             f"every backend uses)")
+        if not (w2.dtype == FP8_DTYPE and w2.shape == (E_l, K, N)):
+            raise ValueError(f"w2 must be float8_e4m3fn [E_l, K, I] = {(E_l, K, N)}, got "
+                             f"{w2.dtype} {_shape(w2)}")
+        if not (w1.is_contiguous() and w2.is_contiguous()):
+            raise ValueError("w1 and w2 must be contiguous")
         for name, s, want in (("w1_scale", w1_scale, (E_l, 2 * N // BLOCK, K // BLOCK)),
                               ("w2_scale", w2_scale, (E_l, K // BLOCK, N // BLOCK))):
-            _check(s.dtype == torch.float32 and _shape(s) == want,
-                   f"{name} must be float32 {want} (128x128 blocks), got {s.dtype} {_shape(s)}")
-        _check(topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype in _ID_DTYPES,
-               f"topk_ids must be int32 or int64 [M={M}, k], got {topk_ids.dtype} "
-               f"{_shape(topk_ids)}")
+            if not (s.dtype == torch.float32 and s.shape == want):
+                raise ValueError(f"{name} must be float32 {want} (128x128 blocks), got {s.dtype} "
+                                 f"{_shape(s)}")
+        if not (topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype in _ID_DTYPES):
+            raise ValueError(f"topk_ids must be int32 or int64 [M={M}, k], got {topk_ids.dtype} "
+                             f"{_shape(topk_ids)}")
         topk = topk_ids.shape[1]
-        _check(topk >= 1, "topk_ids must have k >= 1 columns")
-        _check(topk_weights.dtype == torch.float32 and _shape(topk_weights) == (M, topk),
-               f"topk_weights must be float32 {(M, topk)}, got {topk_weights.dtype} "
-               f"{_shape(topk_weights)}")
-        _check(isinstance(global_num_experts, int) and global_num_experts >= E_l,
-               f"global_num_experts must be an int >= E_l={E_l}, got {global_num_experts!r}")
+        if topk < 1:
+            raise ValueError("topk_ids must have k >= 1 columns")
+        if not (topk_weights.dtype == torch.float32 and topk_weights.shape == (M, topk)):
+            raise ValueError(f"topk_weights must be float32 {(M, topk)}, got {topk_weights.dtype} "
+                             f"{_shape(topk_weights)}")
+        if not (isinstance(global_num_experts, int) and global_num_experts >= E_l):
+            raise ValueError(f"global_num_experts must be an int >= E_l={E_l}, got "
+                             f"{global_num_experts!r}")
+        device = x.device
         if expert_map is None:
-            _check(global_num_experts == E_l, f"without expert_map every expert is local: "
-                   f"global_num_experts={global_num_experts} must equal E_l={E_l}")
+            if global_num_experts != E_l:
+                raise ValueError(f"without expert_map every expert is local: "
+                                 f"global_num_experts={global_num_experts} must equal E_l={E_l}")
+            same_device = (w1.device == device and w2.device == device
+                           and topk_weights.device == device and topk_ids.device == device
+                           and w1_scale.device == device and w2_scale.device == device)
         else:
-            _check(isinstance(expert_map, torch.Tensor) and expert_map.dtype == torch.int32
-                   and _shape(expert_map) == (global_num_experts,),
-                   f"expert_map must be int32 [{global_num_experts}], got "
-                   f"{getattr(expert_map, 'dtype', type(expert_map))} "
-                   f"{_shape(expert_map) if isinstance(expert_map, torch.Tensor) else ''}")
-        _check(not apply_router_weight_on_input or topk == 1,
-               f"apply_router_weight_on_input needs topk == 1, got topk={topk}")
-        tensors = [x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale]
-        if expert_map is not None:
-            tensors.append(expert_map)
-        devices = {t.device for t in tensors}
-        _check(len(devices) == 1,
-               f"all tensors must be on one device, got {sorted(map(str, devices))}")
-        _check(max_tokens_across_ranks is None or (
-            isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M),
-            f"max_tokens_across_ranks must be None or an int >= M={M}, got "
-            f"{max_tokens_across_ranks!r}")
+            if not (isinstance(expert_map, torch.Tensor) and expert_map.dtype == torch.int32
+                    and expert_map.shape == (global_num_experts,)):
+                raise ValueError(
+                    f"expert_map must be int32 [{global_num_experts}], got "
+                    f"{getattr(expert_map, 'dtype', type(expert_map))} "
+                    f"{_shape(expert_map) if isinstance(expert_map, torch.Tensor) else ''}")
+            same_device = False  # the set below decides
+        if apply_router_weight_on_input and topk != 1:
+            raise ValueError(f"apply_router_weight_on_input needs topk == 1, got topk={topk}")
+        if not same_device:
+            tensors = [x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale]
+            if expert_map is not None:
+                tensors.append(expert_map)
+            devices = {t.device for t in tensors}
+            if len(devices) != 1:
+                raise ValueError(f"all tensors must be on one device, got "
+                                 f"{sorted(map(str, devices))}")
+        if max_tokens_across_ranks is not None and not (
+                isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M):
+            raise ValueError(f"max_tokens_across_ranks must be None or an int >= M={M}, got "
+                             f"{max_tokens_across_ranks!r}")
         if not x.is_cuda or envs.VLLM_MOE_CHECK_IDS:
             check_routing_ranges(topk_ids, global_num_experts, expert_map, E_l)
