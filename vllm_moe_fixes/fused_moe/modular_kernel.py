@@ -291,6 +291,11 @@ class FusedMoEModularKernel:
         num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks)
         step = max(chunk, -(-M // num_chunks)) if num_chunks else chunk
         output = torch.empty_like(hidden_states)
+        if num_chunks == 1:  # one pass takes the whole tensors (no slice views to build)
+            self._run_chunk(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
+                            global_num_experts, expert_map, activation,
+                            apply_router_weight_on_input, output)
+            return output
         for i in range(num_chunks):
             rows = slice(min(i * step, M), min((i + 1) * step, M))
             self._run_chunk(hidden_states[rows], w1, w2, topk_weights[rows], topk_ids[rows],
