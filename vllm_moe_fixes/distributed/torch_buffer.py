@@ -138,6 +138,7 @@ class TorchAll2AllBuffer:
             self.num_rdma_bytes = sizing.deepep_ll_rdma_bytes(
                 num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
         self.ll_sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._ll_sizes_ok: set[tuple[int, int, int]] = set()  # (N, H, E) that passed the checks
 
     # ----------------------------------------------------------------- static helpers (DeepEP's)
     @staticmethod
@@ -490,12 +491,15 @@ class TorchAll2AllBuffer:
         return recv, recv_s
 
     # ----------------------------------------------------------------- validation
-    def _check_topk(self, topk_idx: torch.Tensor, num_experts: int) -> int:
+    def _check_topk(self, topk_idx: torch.Tensor, num_experts: int,
+                    check_values: bool | None = None) -> int:
         """Validate topk_idx against num_experts; return E_local. The value range is read where
-        ``_checks_values`` allows it."""
+        ``check_values`` (default: ``_checks_values(topk_idx)``) allows it."""
         _check_tensor("topk_idx", topk_idx, torch.int64, 2)
         e_local = check_experts_per_rank(num_experts, self.group_size)
-        if topk_idx.numel() and _checks_values(topk_idx):
+        if check_values is None:
+            check_values = _checks_values(topk_idx)
+        if check_values and topk_idx.numel():
             lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
             if lo < -1 or hi >= num_experts:
                 raise ValueError(f"topk_idx values must lie in [-1, {num_experts}); "
@@ -579,19 +583,26 @@ class TorchAll2AllBuffer:
     def _check_ll_dispatch(self, x, topk_idx, n, num_experts, recv_stats, wait_stats, use_fp8,
                            use_ue8m0, async_finish, return_recv_hook) -> int:
         """Check low_latency_dispatch's arguments (and, where values are checked, that N agrees
-        across ranks: a collective); return E_local."""
-        check(self.low_latency_mode,
-              "low_latency_dispatch needs a buffer built with low_latency_mode=True")
+        across ranks: a collective); return E_local. Messages are formatted only on failure (this
+        runs on every call)."""
+        if not self.low_latency_mode:
+            raise ValueError("low_latency_dispatch needs a buffer built with low_latency_mode=True")
         _check_tensor("x", x, torch.bfloat16, 2)
-        check(not use_ue8m0, "use_ue8m0=True: UE8M0 scales are not supported by TorchAll2AllBuffer")
-        check(not (async_finish and return_recv_hook),
-              "async_finish and return_recv_hook are mutually exclusive")
-        e_local = self._check_topk(topk_idx, num_experts)
+        if use_ue8m0:
+            raise ValueError("use_ue8m0=True: UE8M0 scales are not supported by "
+                             "TorchAll2AllBuffer")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
+        check_values = _checks_values(x)
+        e_local = self._check_topk(topk_idx, num_experts, check_values)
         t, k = topk_idx.shape
-        check(t == x.shape[0], f"topk_idx has {t} tokens, x has {x.shape[0]}")
-        check(k <= sizing.LL_MAX_TOPK,
-              f"top-k {k} > {sizing.LL_MAX_TOPK}, the most DeepEP's low-latency kernels take")
-        check(t <= n, f"{t} tokens exceed num_max_dispatch_tokens_per_rank={n}")
+        if t != x.shape[0]:
+            raise ValueError(f"topk_idx has {t} tokens, x has {x.shape[0]}")
+        if k > sizing.LL_MAX_TOPK:
+            raise ValueError(f"top-k {k} > {sizing.LL_MAX_TOPK}, the most DeepEP's low-latency "
+                             "kernels take")
+        if t > n:
+            raise ValueError(f"{t} tokens exceed num_max_dispatch_tokens_per_rank={n}")
         self._check_ll_size(n, x.shape[1], num_experts)
         if recv_stats is not None:
             name = "cumulative_local_expert_recv_stats"
@@ -599,11 +610,15 @@ class TorchAll2AllBuffer:
             check(recv_stats.shape[0] == e_local,
                   f"{name} must be [{e_local}] (E_local); got {list(recv_stats.shape)}")
         self._check_wait_stats("dispatch_wait_recv_cost_stats", wait_stats)
-        if _checks_values(x):
+        if check_values:
             self._check_same_n(n, x.device)
         return e_local
 
     def _check_ll_size(self, n: int, h: int, num_experts: int) -> None:
+        """DeepEP's low-latency limits for (N, H, E) and the buffer's size; a passing triple is
+        remembered (the check is pure arithmetic on host ints, and runs on every call)."""
+        if (n, h, num_experts) in self._ll_sizes_ok:
+            return
         need = sizing.check_low_latency_config(n, h, self.group_size, num_experts)
         if need > self.num_rdma_bytes:
             bn, bh, be = self.ll_sizes
@@ -611,6 +626,7 @@ class TorchAll2AllBuffer:
                 f"low-latency buffer too small: (N={n}, H={h}, E={num_experts}) needs {need} "
                 f"bytes, the buffer was sized for (N={bn}, H={bh}, E={be}) = "
                 f"{self.num_rdma_bytes} bytes (DeepEP's layout.total_bytes <= num_rdma_bytes)")
+        self._ll_sizes_ok.add((n, h, num_experts))
 
     def _check_wait_stats(self, name, stats) -> None:
         if stats is not None:
@@ -627,25 +643,31 @@ class TorchAll2AllBuffer:
 
     def _check_ll_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats, async_finish,
                           return_recv_hook) -> None:
-        check(isinstance(handle, _LLHandle),
-              "low_latency_combine needs the handle returned by low_latency_dispatch")
-        check(not (async_finish and return_recv_hook),
-              "async_finish and return_recv_hook are mutually exclusive")
+        """Messages are formatted only on failure (this runs on every call)."""
+        if not isinstance(handle, _LLHandle):
+            raise ValueError("low_latency_combine needs the handle returned by "
+                             "low_latency_dispatch")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
         n, t, h = handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden
         shape = (handle.num_experts // self.group_size, self.group_size * n, h)
         _check_tensor("x", x, torch.bfloat16, 3)
-        check(tuple(x.shape) == shape,
-              f"x must be {list(shape)} ([E_local, R*N, H]); got {list(x.shape)}")
+        if x.shape != shape:
+            raise ValueError(f"x must be {list(shape)} ([E_local, R*N, H]); got {list(x.shape)}")
         _check_tensor("topk_idx", topk_idx, torch.int64, 2)
         _check_tensor("topk_weights", topk_weights, torch.float32, 2)
-        check(topk_weights.shape == topk_idx.shape, f"topk_weights must be "
-              f"{list(topk_idx.shape)} like topk_idx; got {list(topk_weights.shape)}")
-        check(topk_weights.shape[0] <= n, f"topk_weights has {topk_weights.shape[0]} rows; at "
-              f"most num_max_dispatch_tokens_per_rank={n}")
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"topk_weights must be {list(topk_idx.shape)} like topk_idx; got "
+                             f"{list(topk_weights.shape)}")
+        if topk_weights.shape[0] > n:
+            raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows; at most "
+                             f"num_max_dispatch_tokens_per_rank={n}")
         k = handle.served.shape[1]
-        check(tuple(topk_idx.shape) == (t, k),
-              f"topk_idx must be [{t}, {k}] as dispatched; got {list(topk_idx.shape)}")
+        if topk_idx.shape != (t, k):
+            raise ValueError(f"topk_idx must be [{t}, {k}] as dispatched; got "
+                             f"{list(topk_idx.shape)}")
         if out is not None:
             _check_tensor("out", out, torch.bfloat16, 2)
-            check(tuple(out.shape) == (t, h), f"out must be [{t}, {h}]; got {list(out.shape)}")
+            if out.shape != (t, h):
+                raise ValueError(f"out must be [{t}, {h}]; got {list(out.shape)}")
         self._check_wait_stats("combine_wait_recv_cost_stats", wait_stats)
