@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from vllm_moe_fixes.ops.grouped_gemm import (
+    _DESCRIPTORS,
+    _launch_args,
+    _resolve_config,
     _tma_views,
     grouped_fp8_gemm_contiguous,
     grouped_fp8_gemm_contiguous_ref,
@@ -194,6 +197,33 @@ def test_tma_views_cover_regular_inputs():
     assert _tma_views(_padded_rows(a_q[0], 16), w_q) is not None
     assert _tma_views(a_q[0], _misaligned(w_q, 8)) is None
     assert _tma_views(a_q[0], w_q[:0]) is None          # E == 0
+
+
+def test_descriptor_cache_follows_the_operands():
+    cfg = _resolve_config(None)
+    a_q = torch.empty(256, 256, dtype=FP8_DTYPE)
+    w_q = torch.empty(2, 128, 256, dtype=FP8_DTYPE)
+    descs, kwargs = _launch_args(cfg, a_q, w_q)
+    assert kwargs["TMA"] and descs[0].base.data_ptr() == a_q.data_ptr()
+    assert tuple(descs[1].shape) == (256, 256) and list(descs[1].block_shape) == [128, 128]
+    assert _launch_args(cfg, a_q, w_q)[0] is descs  # same operands: the cached pair
+    # The same object pointed at other memory (or given another shape) gets new descriptors.
+    other = torch.empty(256, 256, dtype=FP8_DTYPE)
+    a_q.set_(other.untyped_storage(), 0, (256, 256), (256, 1))
+    moved = _launch_args(cfg, a_q, w_q)[0]
+    assert moved is not descs and moved[0].base.data_ptr() == other.data_ptr()
+    a_q.set_(other.untyped_storage(), 0, (128, 256), (256, 1))
+    assert tuple(_launch_args(cfg, a_q, w_q)[0][0].shape) == (128, 256)
+    # An entry does not keep its operands alive and leaves with them.
+    before = len(_DESCRIPTORS)
+    tmp = torch.empty(128, 256, dtype=FP8_DTYPE)
+    _launch_args(cfg, tmp, w_q)
+    assert len(_DESCRIPTORS) == before + 1
+    del tmp
+    assert len(_DESCRIPTORS) == before
+    misaligned = _misaligned(a_q, 1)
+    assert _launch_args(cfg, misaligned, w_q) == ([None, None], dict(cfg, BLOCK_K=SCALE_BLOCK,
+                                                                      TMA=False))
 
 
 @pytest.mark.parametrize("case", ["misaligned", "row_stride"])

@@ -22,6 +22,8 @@ CUDA tensors run the Triton kernel, CPU tensors the float32 torch references def
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -112,13 +114,50 @@ def _tma_views(a_q: torch.Tensor, w_q: torch.Tensor):
     return a_q, w_q.view(-1, K)
 
 
+# Descriptors of the last operand pairs, keyed by the operands' identities and the tile: the
+# experts pass the same workspace views and weights every call, and building the two descriptors
+# (with _tma_views' checks) costs several microseconds of host time per launch. An entry is used
+# only while both operands are still those objects with the same data pointer, dtype, shape and
+# strides; it is dropped when either operand is freed (a weakref callback), so it never keeps a
+# buffer alive past its tensor.
+_DESCRIPTORS: dict[tuple, tuple] = {}
+_MAX_DESCRIPTORS = 64
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, t.shape, t.stride()
+
+
+def _descriptors(cfg: dict, a_q: torch.Tensor, w_q: torch.Tensor) -> list:
+    """[A descriptor, W descriptor] for TMA, or [None, None] when _tma_views refuses."""
+    key = (id(a_q), id(w_q), cfg["BLOCK_M"], cfg["BLOCK_N"])
+    signatures = (_signature(a_q), _signature(w_q))
+    entry = _DESCRIPTORS.get(key)
+    if entry is not None and entry[0]() is a_q and entry[1]() is w_q and \
+            entry[2] == signatures:
+        return entry[3]
+    views = _tma_views(a_q, w_q)
+    # The descriptors' base tensors are detached (not views: a view keeps its base's Python
+    # object alive), so an entry refers to the operands only weakly.
+    descs = [None, None] if views is None else [
+        TensorDescriptor.from_tensor(views[0].detach(), [cfg["BLOCK_M"], SCALE_BLOCK]),
+        TensorDescriptor.from_tensor(views[1].detach(), [cfg["BLOCK_N"], SCALE_BLOCK])]
+
+    def drop(ref, key=key):
+        held = _DESCRIPTORS.get(key)
+        if held is not None and (held[0] is ref or held[1] is ref):
+            del _DESCRIPTORS[key]
+
+    if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
+        _DESCRIPTORS.clear()
+    _DESCRIPTORS[key] = (weakref.ref(a_q, drop), weakref.ref(w_q, drop), signatures, descs)
+    return descs
+
+
 def _launch_args(cfg: dict, a_q: torch.Tensor, w_q: torch.Tensor) -> tuple[list, dict]:
     """(descriptor arguments, keyword arguments) of a kernel launch: TMA when _tma_views allows."""
-    views = _tma_views(a_q, w_q)
-    descs = [None, None] if views is None else [
-        TensorDescriptor.from_tensor(views[0], [cfg["BLOCK_M"], SCALE_BLOCK]),
-        TensorDescriptor.from_tensor(views[1], [cfg["BLOCK_N"], SCALE_BLOCK])]
-    return descs, dict(cfg, BLOCK_K=SCALE_BLOCK, TMA=views is not None)
+    descs = _descriptors(cfg, a_q, w_q)
+    return descs, dict(cfg, BLOCK_K=SCALE_BLOCK, TMA=descs[0] is not None)
 
 
 # ----------------------------------------------------------------------------------------------
