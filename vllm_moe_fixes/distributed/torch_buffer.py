@@ -29,6 +29,8 @@ graph can capture it (the device-side steps live in ``ll_exchange``):
         per source rank s and token t: partial[s, t] = sum of w * expert output over the slots
             served here (float32 [N, H]), sent back to s, summed over ranks on s
 
+    A group of one rank skips the collectives (its all-gather and all-to-all are copies).
+
 Differences from DeepEP, by design:
   * Everything is synchronous: ``async_finish`` and ``previous_event`` are accepted and ignored, the
     returned events are ``None``, and a requested receive hook is a no-op callable.
@@ -201,8 +203,10 @@ class TorchAll2AllBuffer:
 
     def _all_gather(self, slab: torch.Tensor) -> torch.Tensor:
         """[n, ...] on every rank -> [R, n, ...]: rank s's slab at index s (a fixed-size
-        message)."""
+        message). A group of one rank gathers nothing: the slab itself, viewed [1, n, ...]."""
         r = self.group_size
+        if r == 1:
+            return slab.view(1, *slab.shape)
         out = torch.empty(r * slab.shape[0], *slab.shape[1:], dtype=slab.dtype, device=slab.device)
         # gloo wants the [R*n, ...] form
         run_collective(_all_gather, out, slab.contiguous(), group=self.group)
@@ -466,8 +470,10 @@ class TorchAll2AllBuffer:
         weights = self._all_gather(ll.pad_rows(topk_weights, n)).view(-1, topk_weights.shape[1])
         # [R*N, H] float32: block s goes back to rank s, block s of `back` came from rank s.
         partial = ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, weights)
-        back = torch.empty_like(partial)
-        run_collective(dist.all_to_all_single, back, partial, group=self.group)
+        back = partial  # a group of one rank sends its partial sums to itself
+        if self.group_size > 1:
+            back = torch.empty_like(partial)
+            run_collective(dist.all_to_all_single, back, partial, group=self.group)
         if out is None:
             out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
         out.copy_(back.view(self.group_size, n, h)[:, :t].sum(0))
