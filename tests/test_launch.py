@@ -24,3 +24,21 @@ def test_bad_arguments_refused(kwargs, match):
     world_size = kwargs.pop("world_size")
     with pytest.raises(ValueError, match=match):
         run_distributed(_rank_square, world_size, 0, **kwargs)
+
+
+def _fail_late_or_early(rank, world):
+    import time
+
+    import torch.distributed as dist
+    if rank == world - 1:
+        raise KeyError("the root cause")
+    time.sleep(0.5)  # the peer fails first; this rank's collective then fails because of it
+    dist.barrier()
+
+
+def test_the_rank_that_failed_first_is_reported_last_line_first_error():
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(_fail_late_or_early, 3)
+    message = str(err.value)
+    assert message.startswith("rank 2 failed first:\n")
+    assert message.strip().splitlines()[-1] == "KeyError: 'the root cause'"

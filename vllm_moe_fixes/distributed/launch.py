@@ -6,8 +6,9 @@ taking it) and call ``fn(rank, world_size, *args)``; it returns the list of the 
 values (``result[r]`` is rank r's; ``None`` where fn returned None). Return values travel by pickle
 through a temporary file per rank, so return small, picklable, preferably CPU objects.
 
-A failure on any rank fails the caller: every failing rank prints its own traceback to stderr (the
-launcher reports only one rank's error, often a peer's "connection closed") and the call raises.
+A failure on any rank fails the caller: every failing rank prints its own traceback to stderr, and
+the call raises a ``RuntimeError`` carrying the traceback of the rank that failed first (the
+others' errors, such as a peer's "connection closed", follow from it), ending in its error line.
 ``fn`` must be a module-level function. gloo ranks are forked (fast); NCCL ranks are spawned (CUDA
 cannot be forked), which costs seconds: run several cases per call. Every rank destroys its
 group before it returns. A forked rank then ends with ``os._exit`` (multiprocessing's fork
@@ -26,6 +27,7 @@ import pickle
 import socket
 import sys
 import tempfile
+import time
 import traceback
 
 
@@ -52,14 +54,31 @@ def _worker(rank: int, world_size: int, backend: str, fn, args, out_dir: str) ->
         try:
             result = fn(rank, world_size, *args)
         except BaseException as exc:  # pytest's Failed is not an Exception: spawn would lose it
-            print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-            raise RuntimeError(f"rank {rank}: {traceback.format_exc()}") from exc
+            text = traceback.format_exc()
+            print(f"rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
+            # CLOCK_MONOTONIC is one clock for every process of the machine: the launcher
+            # orders the ranks' failures by it.
+            with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+                f.write(f"{time.monotonic()!r}\n{text}")
+            raise RuntimeError(f"rank {rank}: {text}") from exc
         if result is not None:
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
                 pickle.dump(result, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _first_failure(out_dir: str, world_size: int) -> tuple[int, str] | None:
+    """(rank, traceback) of the rank whose recorded error is the earliest, or None if none is."""
+    failures = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                when, text = f.read().split("\n", 1)
+            failures.append((float(when), rank, text))
+    return min(failures)[1:] if failures else None
 
 
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> list:
@@ -72,7 +91,8 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> list:
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (one GPU per rank: needs ``world_size``
             visible GPUs).
 
-    Returns ``[fn's return value on rank r for r in range(world_size)]``. Raises ``ValueError``
+    Returns ``[fn's return value on rank r for r in range(world_size)]``. Raises ``RuntimeError``
+    with the first failing rank's traceback when a rank fails, and ``ValueError``
     for a bad ``world_size`` or ``backend`` (before any process starts).
     """
     import torch
@@ -90,8 +110,15 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo") -> list:
     # fork is several times faster than spawn (no re-import of torch); CUDA needs spawn.
     method = "spawn" if backend == "nccl" else "fork"
     with tempfile.TemporaryDirectory(prefix="vllm_moe_fixes_ranks_") as out_dir:
-        mp.start_processes(_worker, args=(world_size, backend, fn, args, out_dir),
-                           nprocs=world_size, join=True, start_method=method)
+        try:
+            mp.start_processes(_worker, args=(world_size, backend, fn, args, out_dir),
+                               nprocs=world_size, join=True, start_method=method)
+        except Exception as exc:  # a rank raised or died: name the one that failed first
+            first = _first_failure(out_dir, world_size)
+            if first is None:  # no rank recorded an error (killed by a signal, say)
+                raise
+            rank, text = first
+            raise RuntimeError(f"rank {rank} failed first:\n{text}") from exc
         results = []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pkl")
