@@ -292,10 +292,10 @@ def grouped_fp8_gemm_contiguous_triton(a, w, out, m_indices, config: dict | None
     descs, kwargs = _launch_args(cfg, a_q, w_q)
     # Plain integer ceil-divisions: triton.cdiv costs microseconds per host call.
     num_tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    # Whole stride tuples: one call each instead of one per dimension (host time).
     _contiguous_kernel[(num_tiles,)](
         a_q, a_s, w_q, w_s, out, m_indices, M, N, K,
-        a_q.stride(0), a_s.stride(0), a_s.stride(1),
-        w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), w_s.stride(2), out.stride(0),
+        a_q.stride(0), *a_s.stride(), *w_q.stride()[:2], *w_s.stride(), out.stride(0),
         *descs, **kwargs)
     return out
 
@@ -317,9 +317,8 @@ def grouped_fp8_gemm_masked_triton(a, w, out, masked_m, expected_m=None,
     per_expert = -(-T // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
     _masked_kernel[(per_expert, E)](
         a_q, a_s, w_q, w_s, out, masked_m, T, N, K,
-        a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1), a_s.stride(2),
-        w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), w_s.stride(2),
-        out.stride(0), out.stride(1), *descs, **kwargs)
+        *a_q.stride()[:2], *a_s.stride(), *w_q.stride()[:2], *w_s.stride(), *out.stride()[:2],
+        *descs, **kwargs)
     return out
 
 
