@@ -36,6 +36,7 @@ CHUNK grows with the slot count so that n_chunks stays near 256 or below.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +182,16 @@ def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, des
         tl.store(src_ptr + r, tl.full([BLOCK_R], -1, tl.int32), mask=r < M_sum)
 
 
+@functools.lru_cache(maxsize=256)
+def _layout_launch_sizes(num_slots: int, local_num_experts: int) -> tuple[int, int, int, int]:
+    """(CHUNK, n_chunks, BLOCK_E, BLOCK_C) of the layout kernels for this many slots and local
+    experts (plain ints, cached: they cost several microseconds of host time per call)."""
+    chunk = layout_chunk(num_slots, local_num_experts)
+    n_chunks = layout_num_chunks(num_slots, local_num_experts)
+    block_e = min(next_power_of_2(local_num_experts), max(1, 8192 // chunk))
+    return chunk, n_chunks, block_e, min(64, next_power_of_2(n_chunks))
+
+
 def build_contiguous_layout_triton(topk_ids: torch.Tensor, local_num_experts: int,
                                    expert_map: torch.Tensor | None, layout: ContiguousLayout,
                                    counts: torch.Tensor, *, num_warps: int = 4) -> None:
@@ -191,9 +202,7 @@ def build_contiguous_layout_triton(topk_ids: torch.Tensor, local_num_experts: in
     M, k = topk_ids.shape
     num_slots = M * k
     E_l = local_num_experts
-    chunk = layout_chunk(num_slots, E_l)
-    n_chunks = layout_num_chunks(num_slots, E_l)
-    block_e = min(next_power_of_2(E_l), max(1, 8192 // chunk))
+    chunk, n_chunks, block_e, block_c = _layout_launch_sizes(num_slots, E_l)
     has_map = expert_map is not None
     emap = expert_map if has_map else counts
     E = expert_map.shape[0] if has_map else E_l
@@ -205,7 +214,7 @@ def build_contiguous_layout_triton(topk_ids: torch.Tensor, local_num_experts: in
     _layout_scatter_kernel[(n_chunks,)](
         *common, layout.m_indices, layout.src_row, layout.dest, *args, n_chunks,
         layout.m_indices.shape[0], HAS_MAP=has_map, CHUNK=chunk, BLOCK_E=block_e,
-        BLOCK_C=min(64, next_power_of_2(n_chunks)), BLOCK_R=1024, COUNT_HERE=n_chunks == 1,
+        BLOCK_C=block_c, BLOCK_R=1024, COUNT_HERE=n_chunks == 1,
         num_warps=num_warps)
 
 
