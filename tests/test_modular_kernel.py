@@ -36,6 +36,7 @@ from vllm_moe_fixes.fused_moe.modular_kernel import (
 )
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_ref,
     grouped_fp8_gemm_contiguous_triton,
@@ -884,3 +885,19 @@ def test_gpu_chunked_call_peaks_at_one_chunks_workspaces(monkeypatch):
     expected = layer_declared_bytes(chunk, N, K, k, E) - 2 * chunk * K + 2 * M * K
     assert expected <= peak.bytes <= 1.05 * expected, (peak.bytes, expected)
     assert peak.bytes < 0.5 * layer_declared_bytes(M, N, K, k, E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 130])
+def test_gpu_no_ep_prepare_matches_public_quant(M):
+    """NoEP's prepare launches the quant kernel without the public op's checks: the same bits
+    and layout as per_token_group_quant_fp8 (fresh random input, outputs compared in full)."""
+    x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16) * 3
+    ids = torch.zeros(M, 8, dtype=torch.int32, device="cuda")
+    prep = NoEPPrepareAndFinalize().prepare(x, torch.rand(M, 8, device="cuda"), ids, 8, None,
+                                            False)
+    q, s = per_token_group_quant_fp8(x, 128)
+    assert prep.a1q.dtype == q.dtype and prep.a1q.shape == q.shape and prep.a1q.is_contiguous()
+    assert prep.a1q_scale.shape == s.shape and prep.a1q_scale.stride() == s.stride()
+    assert torch.equal(prep.a1q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(prep.a1q_scale, s)

@@ -3,13 +3,19 @@ experts reduce (they write the layer's output), else a weighted moe_sum."""
 
 from __future__ import annotations
 
+import torch
+
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
     PrepareAndFinalize,
     PrepareResult,
 )
-from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
-from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
+from vllm_moe_fixes.ops.fp8_quant import (
+    QUANT_EPS,
+    per_token_group_quant_fp8,
+    per_token_group_quant_fp8_triton,
+)
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 
 
@@ -31,7 +37,15 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
                 apply_router_weight_on_input) -> PrepareResult:
         if apply_router_weight_on_input:
             a1 = a1 * topk_weights.to(a1.dtype)  # k == 1: [M, 1] broadcasts over K
-        a1q, a1q_scale = per_token_group_quant_fp8(a1, SCALE_BLOCK)
+        if not a1.is_cuda:
+            a1q, a1q_scale = per_token_group_quant_fp8(a1, SCALE_BLOCK)
+            return PrepareResult(a1q=a1q, a1q_scale=a1q_scale)
+        # The public op's launch without its argument checks (the modular kernel has validated
+        # a1: bf16 [M, K], K a multiple of 128): the same kernel and tensors, less host time.
+        M, K = a1.shape
+        a1q = torch.empty((M, K), dtype=FP8_DTYPE, device=a1.device)
+        a1q_scale = torch.empty((M, K // SCALE_BLOCK), dtype=torch.float32, device=a1.device)
+        per_token_group_quant_fp8_triton(a1, a1q, a1q_scale, SCALE_BLOCK, QUANT_EPS, False)
         return PrepareResult(a1q=a1q, a1q_scale=a1q_scale)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,

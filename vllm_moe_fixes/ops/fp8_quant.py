@@ -39,6 +39,7 @@ _UE8M0_FLOOR = tl.constexpr(UE8M0_SCALE_FLOOR)
 # triton 3.6): block_m 8, 8 groups per program, 8 warps has the smallest worst-case slowdown over
 # M in {256, 4096, 16384, 65536} against each M's best config.
 QUANT_BLOCK_M, QUANT_GROUPS_PER_PROG, QUANT_NUM_WARPS = 8, 8, 8
+QUANT_EPS = 1e-10  # default floor on a group's max |x| (vLLM's)
 
 
 def next_power_of_2(n: int) -> int:
@@ -236,7 +237,7 @@ def _scales_buffer(x, num_groups, out_s, column_major, tma_aligned) -> torch.Ten
 def per_token_group_quant_fp8(
     x: torch.Tensor,
     group_size: int = 128,
-    eps: float = 1e-10,
+    eps: float = QUANT_EPS,
     dtype: torch.dtype = FP8_DTYPE,
     column_major_scales: bool = False,
     tma_aligned_scales: bool = False,
