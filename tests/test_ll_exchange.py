@@ -174,12 +174,13 @@ def test_ll_quant_round_scale_is_the_next_power_of_two():
     assert s[1, 0] == 2 * s[0, 0] or s[0, 0] > 2.0**-7  # the step above the power is taken
 
 
-def test_pack_and_unpack_round_trip():
+def test_pack_and_slab_fields_round_trip():
     x = (torch.randn(3, 256) * 3).to(torch.bfloat16)
     ids = torch.tensor([[0, 5], [-1, 2], [7, 7]])
     for use_fp8 in (True, False):
-        slab = ll.pack_slab(x, ids, 5, use_fp8, round_scale=False)
-        got_ids, scales, data = ll.unpack(slab.view(1, 5, -1), 2, 256, use_fp8)
+        slab = torch.full((5, ll.row_layout(2, 256, use_fp8)[2]), 0x7F, dtype=torch.uint8)
+        ll.pack(x, ids, *ll.slab_fields(slab, 2, 256, use_fp8), round_scale=False)
+        got_ids, scales, data = ll.slab_fields(slab, 2, 256, use_fp8)
         assert slab.shape[1] % ll.ROW_ALIGN == 0
         assert torch.equal(got_ids[:3], ids) and (got_ids[3:] == -1).all()
         if use_fp8:

@@ -298,8 +298,9 @@ def _ll_worker(rank, world):
     with pytest.raises(ValueError, match="handle returned by low_latency_dispatch"):
         buf.low_latency_combine(y, idx, w, None)
     # N must agree across ranks: every rank sees the mismatch in the count exchange.
-    with pytest.raises(ValueError, match="differs across ranks"):
-        buf.low_latency_dispatch(xb, one, 4 + 4 * (rank % 2), 32)
+    if world > 1:
+        with pytest.raises(ValueError, match="differs across ranks"):
+            buf.low_latency_dispatch(xb, one, 4 + 4 * (rank % 2), 32)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -307,9 +308,36 @@ def test_high_throughput_gloo(world):
     run_distributed(_ht_worker, world)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_low_latency_gloo(world):
     run_distributed(_ll_worker, world)
+
+
+def _ll_two_results_worker(rank, world):
+    """Two dispatch results held at once (the buffer's two workspaces) combine as if alone; the
+    third dispatch of the same size reuses the first one's workspace."""
+    dev = device_for(rank)
+    n, E, k = 8, 32, 4
+    buf = TorchAll2AllBuffer(None, low_latency_mode=True, num_max_dispatch_tokens_per_rank=n,
+                             hidden=H_LL, num_experts=E)
+    results = []
+    for seed in (11, 12):
+        xs, ids, ws = make_problem(seed, [5] * world, E, k, H_LL, "uneven", dev)
+        x, idx, w = xs[rank], ids[rank], ws[rank]
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, n, E, use_fp8=False)
+        y = torch.randn(recv.shape, generator=torch.Generator().manual_seed(seed)).to(recv)
+        alone = buf.low_latency_combine(y, idx, w, handle)[0]
+        results.append((recv.clone(), count.clone(), handle, recv, x, idx, w, y, alone))
+    for kept, kept_count, handle, recv, x, idx, w, y, alone in results:
+        assert torch.equal(buf.low_latency_combine(y, idx, w, handle)[0], alone)
+        assert torch.equal(recv, kept) and torch.equal(handle.workspace.recv_count, kept_count)
+    third = buf.low_latency_dispatch(results[0][4], results[0][5], n, E, use_fp8=False)[0]
+    assert third is results[0][3]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_low_latency_two_results_held(world):
+    run_distributed(_ll_two_results_worker, world)
 
 
 def test_needs_distributed_and_sizes():

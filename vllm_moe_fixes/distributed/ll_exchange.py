@@ -2,7 +2,7 @@
 host synchronisation (every size is known on the host before the call; every position is computed
 on the device).
 
-    pack_slab      x bf16 [T, H], ids int64 [T, k] -> this rank's message, uint8 [N, row]:
+    pack           x bf16 [T, H], ids int64 [T, k] -> this rank's message, uint8 [N, row]:
                    per token (ids | fp8 scales | data), rows T..N-1 carry ids -1; with fp8 one
                    Triton program per (row, 8 groups) casts as DeepEP does
     (all-gather)   -> [R, N, row]
@@ -16,8 +16,9 @@ on the device).
                    over the slots served here, float32 [R*N, H]; one Triton program per
                    (row, columns) tile reads only the served rows
 
-``pack_slab`` (fp8), ``route``, ``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors
+``pack`` (fp8), ``route``, ``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors
 (int64 offsets) and their torch references (``*_ref``) on CPU tensors; the tests compare the two.
+``LLWorkspace`` holds every tensor of one dispatch + combine, allocated once per size.
 """
 
 from __future__ import annotations
@@ -129,42 +130,71 @@ def row_layout(k: int, h: int, use_fp8: bool) -> tuple[int, int, int]:
     return scales_at, data_at, align_up(data_at + h * (1 if use_fp8 else 2), ROW_ALIGN)
 
 
-def pack_slab(x: torch.Tensor, topk_idx: torch.Tensor, n: int, use_fp8: bool,
-              round_scale: bool) -> torch.Tensor:
-    """This rank's message, uint8 [N, row]: per token its ids, scales (fp8 only) and data; rows
-    T..N-1 carry ids -1 and nothing else. With fp8, one Triton kernel on CUDA (the torch
-    reference on the CPU) quantises and packs."""
-    t, k = topk_idx.shape
-    h = x.shape[1]
-    scales_at, data_at, row = row_layout(k, h, use_fp8)
-    slab = torch.empty(n, row, dtype=torch.uint8, device=x.device)
-    ids = slab[:, :scales_at].view(torch.int64)
-    if use_fp8:
-        fields = (ids, slab[:, scales_at:data_at].view(torch.float32),
-                  slab[:, data_at:data_at + h].view(FP8_DTYPE))
-        (pack_fp8_triton if x.is_cuda else pack_fp8_ref)(x, topk_idx, *fields, round_scale)
-    else:
-        ids[:t] = topk_idx
-        ids[t:] = -1
-        slab[:t, data_at:data_at + 2 * h] = x.view(torch.uint8)
-    return slab
+def slab_fields(rows: torch.Tensor, k: int, h: int, use_fp8: bool):
+    """Views of slab rows uint8 [P, row]: ids int64 [P, k], scales float32 [P, H/128] (None
+    without fp8) and data bytes uint8 [P, H (fp8) or 2H (bf16)]."""
+    scales_at, data_at, _ = row_layout(k, h, use_fp8)
+    scales = rows[:, scales_at:data_at].view(torch.float32) if use_fp8 else None
+    return rows[:, :scales_at].view(torch.int64), scales, rows[:, data_at:data_at + h * (
+        1 if use_fp8 else 2)]
 
 
-def unpack(slabs: torch.Tensor, k: int, h: int, use_fp8: bool):
-    """Views of the gathered slabs [R, N, row]: ids int64 [R*N, k], scales float32 [R*N, H/128]
-    (None without fp8) and data bytes uint8 [R*N, H (fp8) or 2H (bf16)]."""
-    scales_at, data_at, row = row_layout(k, h, use_fp8)
-    flat = slabs.view(-1, row)
-    scales = flat[:, scales_at:data_at].view(torch.float32) if use_fp8 else None
-    data = flat[:, data_at:data_at + h * (1 if use_fp8 else 2)]
-    return flat[:, :scales_at].view(torch.int64), scales, data
+def pack(x: torch.Tensor, topk_idx: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor | None,
+         data: torch.Tensor, round_scale: bool) -> None:
+    """Write this rank's message into the ``slab_fields`` of its [N, row] slab: per token its ids,
+    scales (fp8 only: ``scales`` not None) and data; rows T..N-1 get ids -1 and nothing else.
+    With fp8, one Triton kernel on CUDA (the torch reference on the CPU) quantises and packs."""
+    if scales is not None:
+        launch = pack_fp8_triton if x.is_cuda else pack_fp8_ref
+        launch(x, topk_idx, ids, scales, data.view(FP8_DTYPE), round_scale)
+        return
+    t = topk_idx.shape[0]
+    ids[:t] = topk_idx
+    ids[t:] = -1
+    data[:t] = x.view(torch.uint8)
 
 
-def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t [T, ...] -> [n, ...] with zero rows appended."""
-    out = t.new_zeros(n, *t.shape[1:])
-    out[:t.shape[0]] = t
-    return out
+class LLWorkspace:
+    """The tensors of one low-latency dispatch + combine at fixed sizes, allocated once and
+    rewritten by every call that uses them (no allocation per call), with their views.
+
+    Arguments: n (N, tokens per rank), num_ranks (R), k (top-k), h (hidden), e_local (experts
+    per rank), use_fp8, device. Attributes (P = R*N):
+        slab: uint8 [N, row], this rank's message; send_fields: its ``slab_fields``.
+        gathered: uint8 [P, row], every rank's message (the slab itself when R == 1);
+            recv_fields: its ``slab_fields``.
+        served (bool), local, pos, recv_row (int64): [P, k], ``route``'s outputs;
+            recv_count: int32 [E_local].
+        recv: [E_local, P, H] float8_e4m3fn (fp8) or bf16; recv_bytes: its uint8 view;
+            recv_scales: float32 [E_local, P, H/128] column-major in the last two dims (fp8
+            only, else None).
+        weights: float32 [N, k], gathered_weights: float32 [P, k], back: float32 [P, H]
+            (None when R == 1: nothing is exchanged); partial: float32 [P, H].
+    """
+
+    def __init__(self, n: int, num_ranks: int, k: int, h: int, e_local: int, use_fp8: bool,
+                 device: torch.device) -> None:
+        rows, row = num_ranks * n, row_layout(k, h, use_fp8)[2]
+        self.slab = torch.empty(n, row, dtype=torch.uint8, device=device)
+        self.send_fields = slab_fields(self.slab, k, h, use_fp8)
+        alone = num_ranks == 1
+        self.gathered = self.slab if alone else torch.empty(rows, row, dtype=torch.uint8,
+                                                            device=device)
+        self.recv_fields = slab_fields(self.gathered, k, h, use_fp8)
+        self.served = torch.empty(rows, k, dtype=torch.bool, device=device)
+        self.local, self.pos, self.recv_row = (
+            torch.empty(rows, k, dtype=torch.int64, device=device) for _ in range(3))
+        self.recv_count = torch.empty(e_local, dtype=torch.int32, device=device)
+        self.recv = torch.empty(e_local, rows, h, dtype=FP8_DTYPE if use_fp8 else torch.bfloat16,
+                                device=device)
+        self.recv_bytes = self.recv.view(torch.uint8)
+        self.recv_scales = torch.empty(e_local, h // SCALE_BLOCK, rows, dtype=torch.float32,
+                                       device=device).transpose(1, 2) if use_fp8 else None
+        self.weights = None if alone else torch.empty(n, k, dtype=torch.float32, device=device)
+        self.gathered_weights = None if alone else torch.empty(rows, k, dtype=torch.float32,
+                                                               device=device)
+        self.partial = torch.empty(rows, h, dtype=torch.float32, device=device)
+        self.back = None if alone else torch.empty_like(self.partial)
 
 
 # ----------------------------------------------------------------- routing
@@ -226,21 +256,23 @@ def route_ref(ids: torch.Tensor, rank: int, e_local: int, served: torch.Tensor, 
     recv_count.copy_(running[-1].clamp(max=rows))
 
 
-def route(ids: torch.Tensor, rank: int, e_local: int):
+def route(ids: torch.Tensor, rank: int, e_local: int, out: tuple | None = None):
     """Where each received (source, token, slot) pair goes, from the gathered ids [R*N, k].
 
     Returns, each [R*N, k] and contiguous: served (bool: the pair's expert lives on ``rank``),
     local (int64: its local expert), pos (int64: its row in that expert's [R*N] slice; pairs are
     numbered in (source, token, slot) order), recv_row (int64: local * R*N + pos), all 0 where not
-    served; and recv_count (int32 [E_local], rows per local expert). No host sync on CUDA (one
-    Triton program), the torch reference on the CPU."""
-    dev = ids.device
-    served = torch.empty(ids.shape, dtype=torch.bool, device=dev)
-    local, pos, recv_row = (torch.empty(ids.shape, dtype=torch.int64, device=dev) for _ in range(3))
-    recv_count = torch.empty(e_local, dtype=torch.int32, device=dev)
+    served; and recv_count (int32 [E_local], rows per local expert). ``out``: those five tensors,
+    written and returned (None: allocated). No host sync on CUDA (one Triton program), the torch
+    reference on the CPU."""
+    if out is None:
+        dev = ids.device
+        out = (torch.empty(ids.shape, dtype=torch.bool, device=dev),
+               *(torch.empty(ids.shape, dtype=torch.int64, device=dev) for _ in range(3)),
+               torch.empty(e_local, dtype=torch.int32, device=dev))
     launch = route_triton if ids.is_cuda else route_ref
-    launch(ids, rank, e_local, served, local, pos, recv_row, recv_count)
-    return served, local, pos, recv_row, recv_count
+    launch(ids, rank, e_local, *out)
+    return out
 
 
 # ----------------------------------------------------------------- scatter into the masked layout
@@ -341,11 +373,14 @@ def partial_sums_ref(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch
 
 
 def partial_sums(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
+                 weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per received (source, token) row r: sum over slots j served here of weights[r, j] *
-    x_rows[recv_row[r, j]], float32 [R*N, H]. Slots served elsewhere contribute exact zeros
-    whatever their rows hold (a zero weight alone would not cancel NaN garbage)."""
-    out = torch.empty(served.shape[0], x_rows.shape[1], dtype=torch.float32, device=x_rows.device)
+    x_rows[recv_row[r, j]], float32 [R*N, H] (``out``, written and returned; None: allocated).
+    Slots served elsewhere contribute exact zeros whatever their rows hold (a zero weight alone
+    would not cancel NaN garbage)."""
+    if out is None:
+        out = torch.empty(served.shape[0], x_rows.shape[1], dtype=torch.float32,
+                          device=x_rows.device)
     launch = partial_sums_triton if x_rows.is_cuda else partial_sums_ref
     launch(x_rows, recv_row, served, weights, out)
     return out

@@ -37,7 +37,7 @@ Differences from DeepEP, by design:
   * Handles are private named tuples: pass them back, do not look inside.
   * ``num_worst_tokens`` and UE8M0 scales are not supported (``ValueError``); ``use_logfmt`` and
     ``zero_copy`` are accepted, combine is exact bf16/float32 either way.
-  * Rows of the low-latency receive buffer past ``recv_count`` are left uninitialised, as in
+  * Rows of the low-latency receive buffer past ``recv_count`` are undefined (stale), as in
     DeepEP.
   * Values (top-k ids in range, N equal on every rank, counts consistent with the mask) are
     checked for CPU tensors always and for CUDA tensors only with ``VLLM_MOE_CHECK_IDS=1``: a check
@@ -78,6 +78,7 @@ class _LLHandle(NamedTuple):
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
+    workspace: ll.LLWorkspace       # the dispatch's tensors, reused by the combine
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16"}
@@ -141,6 +142,7 @@ class TorchAll2AllBuffer:
                 num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
         self.ll_sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._ll_sizes_ok: set[tuple[int, int, int]] = set()  # (N, H, E) that passed the checks
+        self._ll_workspaces: dict[tuple, list[ll.LLWorkspace]] = {}  # see _ll_workspace
 
     # ----------------------------------------------------------------- static helpers (DeepEP's)
     @staticmethod
@@ -424,21 +426,33 @@ class TorchAll2AllBuffer:
             handle: pass to ``low_latency_combine``.
             event: None.
             hook: a no-op callable with ``return_recv_hook``, else None.
+
+        recv_x, recv_count and the handle live in the buffer, as DeepEP's low-latency results do:
+        the buffer holds two sets per size (N, k, H, E_local, use_fp8, device) and dispatches take
+        them in turn, so they stay valid until the dispatch after next of the same size (hold at
+        most two results at a time; clone what must live longer).
         """
         n = num_max_dispatch_tokens_per_rank
         e_local = self._check_ll_dispatch(x, topk_idx, n, num_experts,
                                           cumulative_local_expert_recv_stats,
                                           dispatch_wait_recv_cost_stats, use_fp8, use_ue8m0,
                                           async_finish, return_recv_hook)
-        slab = ll.pack_slab(x, topk_idx, n, use_fp8, round_scale)
-        slabs = self._all_gather(slab)                                  # [R, N, row] bytes
-        ids, scales, data = ll.unpack(slabs, topk_idx.shape[1], x.shape[1], use_fp8)
-        served, local, pos, recv_row, recv_count = ll.route(ids, self.rank, e_local)
-        recv_x = self._ll_receive(data, scales, served, local, pos, e_local)
+        ws = self._ll_workspace(n, topk_idx.shape[1], x.shape[1], e_local, use_fp8, x.device)
+        ll.pack(x, topk_idx, *ws.send_fields, round_scale)
+        if self.group_size > 1:  # [R*N, row] bytes: every rank's slab
+            run_collective(_all_gather, ws.gathered, ws.slab, group=self.group)
+        ids, scales, data = ws.recv_fields
+        route = ll.route(ids, self.rank, e_local,
+                         (ws.served, ws.local, ws.pos, ws.recv_row, ws.recv_count))
+        ll.scatter_rows(data, ws.recv_bytes, *route[:3])
+        recv_x = ws.recv
+        if scales is not None:
+            ll.scatter_rows(scales, ws.recv_scales, *route[:3])
+            recv_x = (ws.recv, ws.recv_scales)
         if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += recv_count
-        handle = _LLHandle(recv_row, served, x.shape[0], n, x.shape[1], num_experts)
-        return recv_x, recv_count, handle, None, ((lambda: None) if return_recv_hook else None)
+            cumulative_local_expert_recv_stats += ws.recv_count
+        handle = _LLHandle(ws.recv_row, ws.served, x.shape[0], n, x.shape[1], num_experts, ws)
+        return recv_x, ws.recv_count, handle, None, ((lambda: None) if return_recv_hook else None)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: _LLHandle,
@@ -466,13 +480,21 @@ class TorchAll2AllBuffer:
         """
         self._check_ll_combine(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
                                async_finish, return_recv_hook)
-        n, t, h = handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden
-        weights = self._all_gather(ll.pad_rows(topk_weights, n)).view(-1, topk_weights.shape[1])
-        # [R*N, H] float32: block s goes back to rank s, block s of `back` came from rank s.
-        partial = ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, weights)
+        n, t, h, ws = (handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden,
+                       handle.workspace)
+        if self.group_size > 1:  # rows T..N-1 of the weights are never read (their ids are -1)
+            ws.weights[:t] = topk_weights
+            run_collective(_all_gather, ws.gathered_weights, ws.weights, group=self.group)
+            # [R*N, H] float32: block s goes back to rank s, block s of `back` came from rank s.
+            partial = ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served,
+                                      ws.gathered_weights, ws.partial)
+        else:  # a group of one rank sums only its own T rows, with its own weights
+            partial = ws.partial
+            ll.partial_sums(x.view(-1, h), handle.recv_row[:t], handle.served[:t], topk_weights,
+                            partial[:t])
         back = partial  # a group of one rank sends its partial sums to itself
         if self.group_size > 1:
-            back = torch.empty_like(partial)
+            back = ws.back
             run_collective(dist.all_to_all_single, back, partial, group=self.group)
         if out is None:
             out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
@@ -480,21 +502,18 @@ class TorchAll2AllBuffer:
         return out, None, ((lambda: None) if return_recv_hook else None)
 
     # Low-latency steps.
-    def _ll_receive(self, data, scales, served, local, pos, e_local):
-        """recv_x of low_latency_dispatch from the gathered rows: the bytes of each served pair's
-        row into [E_local, R*N, H] (fp8 or bf16) and, with fp8, its scales into the column-major
-        [E_local, R*N, H/128]."""
-        rows_per_expert = served.shape[0]
-        dtype = FP8_DTYPE if scales is not None else torch.bfloat16
-        width = data.shape[1] // (1 if scales is not None else 2)
-        recv = torch.empty(e_local, rows_per_expert, width, dtype=dtype, device=data.device)
-        ll.scatter_rows(data, recv.view(torch.uint8), served, local, pos)
-        if scales is None:
-            return recv
-        recv_s = torch.empty(e_local, scales.shape[1], rows_per_expert, dtype=torch.float32,
-                             device=data.device).transpose(1, 2)
-        ll.scatter_rows(scales, recv_s, served, local, pos)
-        return recv, recv_s
+    def _ll_workspace(self, n: int, k: int, h: int, e_local: int, use_fp8: bool,
+                      device: torch.device) -> ll.LLWorkspace:
+        """The workspace of this dispatch: two per size, taken in turn (as DeepEP's two
+        low-latency buffers), so a dispatch's results live until the dispatch after next."""
+        key = (n, k, h, e_local, use_fp8, device)
+        pair = self._ll_workspaces.get(key)
+        if pair is None:
+            pair = self._ll_workspaces[key] = [
+                ll.LLWorkspace(n, self.group_size, k, h, e_local, use_fp8, device)
+                for _ in range(2)]
+        pair.reverse()
+        return pair[0]
 
     # ----------------------------------------------------------------- validation
     def _check_topk(self, topk_idx: torch.Tensor, num_experts: int,
