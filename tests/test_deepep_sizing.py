@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch.distributed as dist
-from _dist import free_port, run_distributed
+from _dist import run_distributed
 
 from vllm_moe_fixes._compat import deep_ep as compat
 from vllm_moe_fixes.distributed import buffers, deepep_sizing
@@ -152,8 +152,9 @@ def test_footprint_model():
 
 
 @pytest.fixture
-def gloo_world1():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+def gloo_world1(tmp_path):
+    # A file store in the test's own directory: no port to race for with concurrent runs.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     buffers._BUFFERS.clear()
     yield dist.group.WORLD
     buffers._BUFFERS.clear()
