@@ -115,8 +115,9 @@ def test_scatter_rows_nothing_served(kernel_device):
     assert (dst == 7).all()
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, k, e_local, hidden", [(6, 3, 4, 256), (1, 1, 1, 128), (5, 4, 2, 2176)])
-def test_partial_sums_triton_matches_ref(kernel_device, rows, k, e_local, hidden):
+def test_partial_sums_triton_matches_ref(kernel_device, rows, k, e_local, hidden, out_dtype):
     served, local, pos = _routing(rows * k + hidden, rows, k, e_local, kernel_device)
     recv_row = torch.where(served, local * rows + pos, 0)
     g = torch.Generator().manual_seed(hidden)
@@ -124,8 +125,8 @@ def test_partial_sums_triton_matches_ref(kernel_device, rows, k, e_local, hidden
     x[recv_row[~served]] = float("nan")  # rows only unserved slots point at: never read
     w = torch.rand(rows, k, generator=g).to(kernel_device)
     w[~served] = float("nan")
-    got = torch.full((rows, hidden), float("nan"), device=kernel_device)
-    want = torch.full((rows, hidden), float("nan"), device=kernel_device)
+    got = torch.full((rows, hidden), float("nan"), dtype=out_dtype, device=kernel_device)
+    want = torch.full((rows, hidden), float("nan"), dtype=out_dtype, device=kernel_device)
     if served.any():
         used = recv_row[served].unique()
         x[used] = torch.randn(used.numel(), hidden, generator=g).to(torch.bfloat16).to(kernel_device)
@@ -133,6 +134,10 @@ def test_partial_sums_triton_matches_ref(kernel_device, rows, k, e_local, hidden
     ll.partial_sums_ref(x, recv_row, served, w, want)
     assert torch.isfinite(got).all()
     assert torch.equal(got, want)
+    if out_dtype == torch.bfloat16:  # the float32 sums rounded once, to nearest even
+        sums = torch.empty(rows, hidden, device=kernel_device)
+        ll.partial_sums_ref(x, recv_row, served, w, sums)
+        assert torch.equal(want, sums.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("tokens, n, hidden, k, round_scale", [

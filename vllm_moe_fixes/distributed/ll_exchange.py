@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, align_up
-from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2
+from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2, round_to_bf16_grid
 from vllm_moe_fixes.ops.fp8_quant import _round_to_e4m3_grid as round_to_e4m3_grid
 
 # DeepEP's low-latency cast floors amax at this margin, so an all-zero group gets a finite scale.
@@ -168,8 +168,9 @@ class LLWorkspace:
         recv: [E_local, P, H] float8_e4m3fn (fp8) or bf16; recv_bytes: its uint8 view;
             recv_scales: float32 [E_local, P, H/128] column-major in the last two dims (fp8
             only, else None).
-        weights: float32 [N, k], gathered_weights: float32 [P, k], back: float32 [P, H]
-            (None when R == 1: nothing is exchanged); partial: float32 [P, H].
+        weights: float32 [N, k], gathered_weights: float32 [P, k], partial and back:
+            float32 [P, H] (all None when R == 1: nothing is exchanged, the combine sums into
+            its output).
     """
 
     def __init__(self, n: int, num_ranks: int, k: int, h: int, e_local: int, use_fp8: bool,
@@ -193,8 +194,8 @@ class LLWorkspace:
         self.weights = None if alone else torch.empty(n, k, dtype=torch.float32, device=device)
         self.gathered_weights = None if alone else torch.empty(rows, k, dtype=torch.float32,
                                                                device=device)
-        self.partial = torch.empty(rows, h, dtype=torch.float32, device=device)
-        self.back = None if alone else torch.empty_like(self.partial)
+        self.partial, self.back = (None, None) if alone else (
+            torch.empty(rows, h, dtype=torch.float32, device=device) for _ in range(2))
 
 
 # ----------------------------------------------------------------- routing
@@ -330,7 +331,8 @@ def scatter_rows(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor, loc
 # ----------------------------------------------------------------- weighted partial sums
 @triton.jit
 def _partial_sums_kernel(x_ptr, row_ptr, served_ptr, w_ptr, out_ptr, hidden, x_stride_row,
-                         out_stride_row, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+                         out_stride_row, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+                         ROUND_BF16: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -343,6 +345,8 @@ def _partial_sums_kernel(x_ptr, row_ptr, served_ptr, w_ptr, out_ptr, hidden, x_s
         in_range = cols < tl.where(served, hidden, 0)
         v = tl.load(x_ptr + row * x_stride_row + cols, mask=in_range, other=0.0).to(tl.float32)
         acc = acc + v * w
+    if ROUND_BF16:  # interpreter only: its bfloat16 cast truncates
+        acc = round_to_bf16_grid(acc)
     tl.store(out_ptr + r * out_stride_row + cols, acc, mask=cols < hidden)
 
 
@@ -351,7 +355,8 @@ def partial_sums_triton(x_rows: torch.Tensor, recv_row: torch.Tensor, served: to
     """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
     x_rows bf16 [E_l*R*N, H] (unit column stride); recv_row int64, served bool, weights float32,
-    all [R*N, k] contiguous; out float32 [R*N, H] (unit column stride), written."""
+    all [R*N, k] contiguous; out float32 or bf16 [R*N, H] (unit column stride), written (a bf16
+    out gets the float32 sums rounded to nearest even)."""
     rows, topk = served.shape
     hidden = x_rows.shape[1]
     if rows == 0 or hidden == 0:
@@ -359,23 +364,28 @@ def partial_sums_triton(x_rows: torch.Tensor, recv_row: torch.Tensor, served: to
     block_h = min(next_power_of_2(hidden), 2048)
     _partial_sums_kernel[(rows, _cdiv(hidden, block_h))](
         x_rows, recv_row, served.view(torch.uint8), weights, out, hidden, x_rows.stride(0),
-        out.stride(0), TOPK=topk, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False)
+        out.stride(0), TOPK=topk, BLOCK_H=block_h,
+        ROUND_BF16=INTERPRETING and out.dtype == torch.bfloat16, num_warps=4,
+        enable_fp_fusion=False)
 
 
 def partial_sums_ref(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Tensor,
                      weights: torch.Tensor, out: torch.Tensor) -> None:
     """torch reference of ``partial_sums_triton``: the same float32 products, added in slot
-    order."""
-    out.zero_()
+    order (then rounded once into a bf16 out)."""
+    sums = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
+    sums.zero_()
     for j in range(served.shape[1]):
         got = x_rows.index_select(0, recv_row[:, j]).float() * weights[:, j:j + 1]
-        out += torch.where(served[:, j:j + 1], got, 0.0)
+        sums += torch.where(served[:, j:j + 1], got, 0.0)
+    out.copy_(sums)
 
 
 def partial_sums(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Tensor,
                  weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per received (source, token) row r: sum over slots j served here of weights[r, j] *
-    x_rows[recv_row[r, j]], float32 [R*N, H] (``out``, written and returned; None: allocated).
+    x_rows[recv_row[r, j]], float32 [R*N, H] (``out``, float32 or bf16, written and returned;
+    None: allocated float32).
     Slots served elsewhere contribute exact zeros whatever their rows hold (a zero weight alone
     would not cancel NaN garbage)."""
     if out is None:

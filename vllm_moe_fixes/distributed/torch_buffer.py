@@ -29,7 +29,8 @@ graph can capture it (the device-side steps live in ``ll_exchange``):
         per source rank s and token t: partial[s, t] = sum of w * expert output over the slots
             served here (float32 [N, H]), sent back to s, summed over ranks on s
 
-    A group of one rank skips the collectives (its all-gather and all-to-all are copies).
+    A group of one rank skips the collectives (its all-gather and all-to-all are copies) and its
+    combine sums the weighted expert outputs straight into the bf16 output.
 
 Differences from DeepEP, by design:
   * Everything is synchronous: ``async_finish`` and ``previous_event`` are accepted and ignored, the
@@ -482,23 +483,19 @@ class TorchAll2AllBuffer:
                                async_finish, return_recv_hook)
         n, t, h, ws = (handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden,
                        handle.workspace)
-        if self.group_size > 1:  # rows T..N-1 of the weights are never read (their ids are -1)
-            ws.weights[:t] = topk_weights
-            run_collective(_all_gather, ws.gathered_weights, ws.weights, group=self.group)
-            # [R*N, H] float32: block s goes back to rank s, block s of `back` came from rank s.
-            partial = ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served,
-                                      ws.gathered_weights, ws.partial)
-        else:  # a group of one rank sums only its own T rows, with its own weights
-            partial = ws.partial
-            ll.partial_sums(x.view(-1, h), handle.recv_row[:t], handle.served[:t], topk_weights,
-                            partial[:t])
-        back = partial  # a group of one rank sends its partial sums to itself
-        if self.group_size > 1:
-            back = ws.back
-            run_collective(dist.all_to_all_single, back, partial, group=self.group)
         if out is None:
             out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-        out.copy_(back.view(self.group_size, n, h)[:, :t].sum(0))
+        if self.group_size == 1:  # its own T rows, summed straight into out
+            ll.partial_sums(x.view(-1, h), handle.recv_row[:t], handle.served[:t], topk_weights,
+                            out)
+            return out, None, ((lambda: None) if return_recv_hook else None)
+        ws.weights[:t] = topk_weights  # rows T..N-1 are never read (their ids are -1)
+        run_collective(_all_gather, ws.gathered_weights, ws.weights, group=self.group)
+        # [R*N, H] float32: block s goes back to rank s, block s of `back` came from rank s.
+        ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, ws.gathered_weights,
+                        ws.partial)
+        run_collective(dist.all_to_all_single, ws.back, ws.partial, group=self.group)
+        out.copy_(ws.back.view(self.group_size, n, h)[:, :t].sum(0))
         return out, None, ((lambda: None) if return_recv_hook else None)
 
     # Low-latency steps.
