@@ -41,10 +41,14 @@ def run_collective(collective: Callable[..., Any], /, *args: Any, **kwargs: Any)
     Arguments:
         collective: a torch.distributed collective called without ``async_op`` (it has completed
             when it returns).
-        *args: its positional arguments; each tensor (any shape and dtype, CPU or CUDA) is passed
-            as an alias (``tensor.detach()``: the same storage, written in place as usual).
+        *args: its positional arguments; with a CPU tensor among them, each tensor (any shape
+            and dtype) is passed as an alias (``tensor.detach()``: the same storage, written in
+            place as usual); CUDA tensors alone are passed as they are.
         **kwargs: its keyword arguments (``group=``, ``op=``...), passed unchanged.
     """
+    if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        collective(*args, **kwargs)  # nothing to wait for: no aliases needed (host work per call)
+        return
     aliases = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     collective(*aliases, **kwargs)
     cpu = [a for a in aliases if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
