@@ -107,6 +107,23 @@ def test_scatter_rows_triton_matches_ref(kernel_device, rows, k, e_local, width,
     assert served.any() or rows == 1  # the cases route something here
 
 
+@pytest.mark.parametrize("rows, k, e_local, width, width2", [(6, 3, 4, 1100, 9), (3, 2, 2, 40, 56)])
+def test_scatter_rows_two_planes_one_launch(kernel_device, rows, k, e_local, width, width2):
+    """Data bytes and column-major float32 scales in one launch, as the dispatch sends them."""
+    served, local, pos = _routing(rows * width2, rows, k, e_local, kernel_device)
+    g = torch.Generator().manual_seed(width2)
+    src = torch.randint(0, 255, (rows, width), generator=g, dtype=torch.uint8).to(kernel_device)
+    src2 = torch.randn(rows, width2 + 2, generator=g).to(kernel_device)[:, 1:width2 + 1]
+    make = lambda: torch.full((e_local, rows, width), 0xAB, dtype=torch.uint8, device=kernel_device)
+    make2 = lambda: torch.full((e_local, width2, rows), float("nan"), device=kernel_device).transpose(1, 2)
+    (got, got2), (want, want2) = (make(), make2()), (make(), make2())
+    ll.scatter_rows_triton(src, got, served, local, pos, src2, got2)
+    ll.scatter_rows_ref(src, want, served, local, pos, src2, want2)
+    assert torch.equal(got, want) and torch.equal(got2.nan_to_num(-1.0), want2.nan_to_num(-1.0))
+    p, j = served.nonzero(as_tuple=True)  # and the reference copies what the routing says
+    assert p.numel() and torch.equal(want2[local[p, j], pos[p, j]], src2[p])
+
+
 def test_scatter_rows_nothing_served(kernel_device):
     served = torch.zeros(3, 2, dtype=torch.bool, device=kernel_device)
     zeros = torch.zeros(3, 2, dtype=torch.int64, device=kernel_device)

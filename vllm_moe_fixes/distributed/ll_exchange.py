@@ -11,7 +11,8 @@ on the device).
                    source, token, slot order); received rows per local expert; one Triton
                    program walks the pairs
     scatter_rows   each served pair's row -> recv_x [E_l, R*N, H] (and its scales -> the
-                   column-major [E_l, R*N, H/128]); one Triton program per (pairs, columns) tile
+                   column-major [E_l, R*N, H/128], same launch); one Triton program per
+                   (pairs, columns) tile
     partial_sums   expert outputs [E_l*R*N, H] -> per received (source, token) the weighted sum
                    over the slots served here, float32 [R*N, H]; one Triton program per
                    (row, columns) tile reads only the served rows
@@ -278,15 +279,10 @@ def route(ids: torch.Tensor, rank: int, e_local: int, out: tuple | None = None):
 
 # ----------------------------------------------------------------- scatter into the masked layout
 @triton.jit
-def _scatter_rows_kernel(src_ptr, dst_ptr, served_ptr, local_ptr, pos_ptr, num_pairs, width,
-                         src_stride_row, src_stride_col, dst_stride_expert, dst_stride_row,
-                         dst_stride_col, TOPK: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_W: tl.constexpr):
-    pairs = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
-    served = tl.load(served_ptr + pairs, mask=pairs < num_pairs, other=0) != 0
-    local = tl.load(local_ptr + pairs, mask=served, other=0)
-    pos = tl.load(pos_ptr + pairs, mask=served, other=0)
+def _copy_served_rows(src_ptr, dst_ptr, pairs, served, local, pos, tile, width, src_stride_row,
+                      src_stride_col, dst_stride_expert, dst_stride_row, dst_stride_col,
+                      TOPK: tl.constexpr, BLOCK_W: tl.constexpr):
+    cols = tile * BLOCK_W + tl.arange(0, BLOCK_W)
     mask = served[:, None] & (cols < width)[None, :]
     # Pair p carries source row p // TOPK; pairs served elsewhere neither read nor write.
     src = src_ptr + (pairs // TOPK)[:, None] * src_stride_row + cols[None, :] * src_stride_col
@@ -295,37 +291,72 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, served_ptr, local_ptr, pos_ptr, num_p
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
+@triton.jit
+def _scatter_rows_kernel(src_ptr, dst_ptr, src2_ptr, dst2_ptr, served_ptr, local_ptr, pos_ptr,
+                         num_pairs, width, width2, tiles, src_stride_row, src_stride_col,
+                         dst_stride_expert, dst_stride_row, dst_stride_col, src2_stride_row,
+                         src2_stride_col, dst2_stride_expert, dst2_stride_row, dst2_stride_col,
+                         TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
+    # Column tiles 0..tiles-1 copy the first plane (src -> dst), the rest the second plane.
+    pairs = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    served = tl.load(served_ptr + pairs, mask=pairs < num_pairs, other=0) != 0
+    local = tl.load(local_ptr + pairs, mask=served, other=0)
+    pos = tl.load(pos_ptr + pairs, mask=served, other=0)
+    tile = tl.program_id(1).to(tl.int64)
+    if tile < tiles:
+        _copy_served_rows(src_ptr, dst_ptr, pairs, served, local, pos, tile, width,
+                          src_stride_row, src_stride_col, dst_stride_expert, dst_stride_row,
+                          dst_stride_col, TOPK, BLOCK_W)
+    else:
+        _copy_served_rows(src2_ptr, dst2_ptr, pairs, served, local, pos, tile - tiles, width2,
+                          src2_stride_row, src2_stride_col, dst2_stride_expert, dst2_stride_row,
+                          dst2_stride_col, TOPK, BLOCK_W)
+
+
 def scatter_rows_triton(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor,
-                        local: torch.Tensor, pos: torch.Tensor) -> None:
+                        local: torch.Tensor, pos: torch.Tensor, src2: torch.Tensor | None = None,
+                        dst2: torch.Tensor | None = None) -> None:
     """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
     src [R*N, W] (any strides); dst [E_l, R*N, W] of src's dtype (any strides; row (e, pos) of each
-    served pair written); served bool, local and pos int64, all [R*N, k] contiguous."""
+    served pair written); served bool, local and pos int64, all [R*N, k] contiguous. src2/dst2:
+    an optional second plane ([R*N, W2] -> [E_l, R*N, W2], same rules) copied by the same launch
+    (one launch fewer on the host)."""
     pairs, topk = served.shape
     width = src.shape[1]
-    if pairs == 0 or width == 0:
+    width2 = 0 if src2 is None else src2.shape[1]
+    if src2 is None:  # the second plane's arguments are never used
+        src2, dst2 = src, dst
+    if pairs == 0 or width + width2 == 0:
         return
-    block_w = min(next_power_of_2(width), 1024)
+    block_w = min(next_power_of_2(max(width, width2)), 1024)
     block_p = max(1, min(64, 2048 // block_w))
-    grid = (_cdiv(pairs * topk, block_p), _cdiv(width, block_w))
-    _scatter_rows_kernel[grid](src, dst, served.view(torch.uint8), local, pos, pairs * topk, width,
-                               *src.stride(), *dst.stride(), TOPK=topk, BLOCK_P=block_p,
+    tiles = _cdiv(width, block_w)
+    grid = (_cdiv(pairs * topk, block_p), tiles + _cdiv(width2, block_w))
+    _scatter_rows_kernel[grid](src, dst, src2, dst2, served.view(torch.uint8), local, pos,
+                               pairs * topk, width, width2, tiles, *src.stride(), *dst.stride(),
+                               *src2.stride(), *dst2.stride(), TOPK=topk, BLOCK_P=block_p,
                                BLOCK_W=block_w, num_warps=4)
 
 
 def scatter_rows_ref(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor,
-                     local: torch.Tensor, pos: torch.Tensor) -> None:
+                     local: torch.Tensor, pos: torch.Tensor, src2: torch.Tensor | None = None,
+                     dst2: torch.Tensor | None = None) -> None:
     """torch reference of ``scatter_rows_triton`` (same arguments, same result)."""
     p, j = served.nonzero(as_tuple=True)
-    dst[local[p, j], pos[p, j]] = src[p]
+    for s, d in ((src, dst), (src2, dst2)):
+        if s is not None:
+            d[local[p, j], pos[p, j]] = s[p]
 
 
 def scatter_rows(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor, local: torch.Tensor,
-                 pos: torch.Tensor) -> None:
+                 pos: torch.Tensor, src2: torch.Tensor | None = None,
+                 dst2: torch.Tensor | None = None) -> None:
     """Copy row p of src [R*N, W] to dst[local[p, j], pos[p, j]] for every served pair (p, j)
-    of the [R*N, k] routing; no host sync on CUDA (Triton), the torch reference on the CPU."""
+    of the [R*N, k] routing (and of src2 to dst2, when given, in the same launch); no host sync
+    on CUDA (Triton), the torch reference on the CPU."""
     launch = scatter_rows_triton if src.is_cuda else scatter_rows_ref
-    launch(src, dst, served, local, pos)
+    launch(src, dst, served, local, pos, src2, dst2)
 
 
 # ----------------------------------------------------------------- weighted partial sums

@@ -445,11 +445,8 @@ class TorchAll2AllBuffer:
         ids, scales, data = ws.recv_fields
         route = ll.route(ids, self.rank, e_local,
                          (ws.served, ws.local, ws.pos, ws.recv_row, ws.recv_count))
-        ll.scatter_rows(data, ws.recv_bytes, *route[:3])
-        recv_x = ws.recv
-        if scales is not None:
-            ll.scatter_rows(scales, ws.recv_scales, *route[:3])
-            recv_x = (ws.recv, ws.recv_scales)
+        ll.scatter_rows(data, ws.recv_bytes, *route[:3], scales, ws.recv_scales)
+        recv_x = ws.recv if scales is None else (ws.recv, ws.recv_scales)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += ws.recv_count
         handle = _LLHandle(ws.recv_row, ws.served, x.shape[0], n, x.shape[1], num_experts, ws)
