@@ -330,7 +330,10 @@ def _ll_two_results_worker(rank, world):
         results.append((recv.clone(), count.clone(), handle, recv, x, idx, w, y, alone))
     for kept, kept_count, handle, recv, x, idx, w, y, alone in results:
         assert torch.equal(buf.low_latency_combine(y, idx, w, handle)[0], alone)
-        assert torch.equal(recv, kept) and torch.equal(handle.workspace.recv_count, kept_count)
+        assert torch.equal(handle.workspace.recv_count, kept_count)
+        # Rows past an expert's count are uninitialised (as in DeepEP): compare the valid ones.
+        for e, c in enumerate(kept_count.tolist()):
+            assert torch.equal(recv[e, :c], kept[e, :c])
     third = buf.low_latency_dispatch(results[0][4], results[0][5], n, E, use_fp8=False)[0]
     assert third is results[0][3]
 
