@@ -112,8 +112,8 @@ def test_simulation_is_deterministic():
 
 
 # --------------------------------------------------------------------------------------- plan
-def test_plan_flags_seed_failure_modes():
-    # DP=128 low latency with the seed's fixed 1 GiB RDMA buffer: below DeepEP's hint.
+def test_plan_flags_the_failure_modes():
+    # DP=128 low latency with a fixed 1 GiB RDMA buffer: below DeepEP's hint.
     plan = make_plan(R1, dp=128, max_tokens=128, backend="deepep_low_latency")
     flags = {name: f["raised"] for name, f in plan["flags"].items()}
     # DeepEP's hint at N=128, H=7168, E=256.

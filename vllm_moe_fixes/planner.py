@@ -4,7 +4,7 @@ An engine's profile (dummy) run pushes ``max_tokens`` tokens through every data-
 all-zero token ids every token routes to the same top-k experts, so the expert-parallel ranks owning
 them receive every token of the EP group; with random ids (``VLLM_RANDOMIZE_DP_DUMMY_INPUTS``) the
 load spreads out. ``make_plan`` simulates both with a random-initialised router of the model's
-shapes and sizes, at the busiest rank, what the seed's failure modes depend on.
+shapes and sizes, at the busiest rank, what the failure modes of the README's first table depend on.
 
 Routing simulation (``SimulatedRouter``): a gate [E, H] drawn as ``nn.Linear`` initialises it
 (uniform in +-1/sqrt(H)) and an embedding [vocab, H] drawn as ``nn.Embedding`` does (unit normal).
@@ -54,8 +54,9 @@ from vllm_moe_fixes.distributed.deepep_sizing import (
 from vllm_moe_fixes.sizes import batched_workspace_shapes, contiguous_workspace_shapes
 
 SAMPLE_TOKENS = 8192
-# The seed PR's fixed low-latency RDMA buffer.
-SEED_RDMA_BYTES = 2**30
+# A fixed low-latency RDMA buffer of 1 GiB, not sized by DeepEP's hint: at DP=128 it trips DeepEP's
+# `layout.total_bytes <= num_rdma_bytes` assertion.
+FIXED_RDMA_BYTES = 2**30
 INT32_ELEMENTS = 2**31
 DEFAULT_GPU_MEMORY_GIB = 141.0
 INPUTS = ("zero", "random")
@@ -235,7 +236,7 @@ def _size_buffers(cfg: MoEModelConfig, backend: str, ep: int, max_tokens: int) -
               "nvl_hint_bytes": _hint_or_none(deepep_nvl_bytes, K, ep),
               "ht_rdma_hint_bytes": _hint_or_none(deepep_rdma_bytes, K, ep),
               "ll_rdma_hint_bytes": deepep_ll_rdma_bytes(max_tokens, K, ep, E),
-              "seed_fixed_rdma_bytes": SEED_RDMA_BYTES,
+              "fixed_rdma_bytes": FIXED_RDMA_BYTES,
               "buffer_kwargs": None, "buffer_bytes": 0}
     if ep == 1 or backend == "naive":
         why = ("one rank: no all-to-all" if ep == 1
@@ -299,8 +300,8 @@ def _raise_flags(cfg: MoEModelConfig, loads: dict, deepep: dict, cannot_serve: d
                   "multiples of 128"}
     ll_hint = deepep["ll_rdma_hint_bytes"]
     flags["fixed_rdma_below_ll_hint"] = {
-        "raised": SEED_RDMA_BYTES < ll_hint,
-        "detail": f"a fixed {_gib(SEED_RDMA_BYTES)} low-latency RDMA buffer vs the hint {ll_hint} "
+        "raised": FIXED_RDMA_BYTES < ll_hint,
+        "detail": f"a fixed {_gib(FIXED_RDMA_BYTES)} low-latency RDMA buffer vs the hint {ll_hint} "
                   f"bytes ({_gib(ll_hint)}) for N={max_tokens}, H={K}, E={E}: DeepEP's "
                   "'layout.total_bytes <= num_rdma_bytes' assertion"}
     flags["ll_unsupported_hidden"] = {
