@@ -327,3 +327,33 @@ def test_readme_lists_the_plan_model_fields_and_its_example_is_the_preset(tmp_pa
     assert main(["plan", "--model", str(path), "--dp", "32", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"] == PRESETS["deepseek-r1"].to_dict()
+
+
+def test_demo_routes_a_deepseek_preset_with_grouped_topk():
+    """demo --model deepseek-v3 takes the preset's 256 experts and top-8, and routes with its
+    grouped routing: every token's experts lie in at most topk_group = 4 of the 8 groups (plain
+    top-8 of 256 experts spans more groups for most tokens)."""
+    import argparse
+
+    import torch
+
+    from vllm_moe_fixes import cli
+    from vllm_moe_fixes.config import PRESETS
+
+    args = argparse.Namespace(model="deepseek-v3", experts=16, topk=4, hidden=256,
+                              intermediate=128, seed=3)
+    cli._apply_demo_model(args)
+    assert (args.experts, args.topk, args.routing) == (256, 8, PRESETS["deepseek-v3"])
+    *_, weights, ids = cli._demo_problem(args, 64)
+    groups_per_token = [len(set((row // 32).tolist())) for row in ids]
+    assert max(groups_per_token) <= 4
+    assert torch.allclose(weights.sum(1), torch.full((64,), 2.5))  # renormalised, times 2.5
+    args.model = None
+    cli._apply_demo_model(args)
+    *_, ids = cli._demo_problem(args, 64)
+    assert max(len(set((row // 32).tolist())) for row in ids) > 4
+
+
+def test_demo_unknown_model_is_a_usage_error(capsys):
+    assert main(["demo", "--model", "no-such-model"]) == 2
+    assert "--model" in capsys.readouterr().err

@@ -42,6 +42,10 @@ def test_json_config_round_trip(tmp_path):
     ({"top_k": 129, "topk_group": 4}, "top_k"),
     ({"num_dense_layers": 61}, "num_dense_layers"),
     ({"bogus": 1}, "bogus"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor"),
+    ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor"),
+    ({"routed_scaling_factor": True}, "routed_scaling_factor"),
+    ({"routed_scaling_factor": "2.5"}, "routed_scaling_factor"),
 ])
 def test_json_config_validation(change, match):
     with pytest.raises(ValueError, match=match):

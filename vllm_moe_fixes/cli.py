@@ -188,6 +188,7 @@ def _demo_problem(args: argparse.Namespace, num_tokens: int):
     topk_weights f32 [T, k], topk_ids int64 [T, k]) on the CPU, from args.seed."""
     import torch
 
+    from vllm_moe_fixes.fused_moe.grouped_topk import grouped_topk
     from vllm_moe_fixes.fused_moe.routing import fused_topk, quant_block_fp8
 
     K, I, E = args.hidden, args.intermediate, args.experts
@@ -195,7 +196,18 @@ def _demo_problem(args: argparse.Namespace, num_tokens: int):
     x = torch.randn(num_tokens, K, generator=g).to(torch.bfloat16)
     w1 = quant_block_fp8(torch.randn(E, 2 * I, K, generator=g) / K ** 0.5)
     w2 = quant_block_fp8(torch.randn(E, K, I, generator=g) / I ** 0.5)
-    topk_weights, topk_ids = fused_topk(torch.randn(num_tokens, E, generator=g), args.topk, True)
+    logits = torch.randn(num_tokens, E, generator=g)
+    cfg = args.routing
+    if cfg is not None and (cfg.n_group > 1 or cfg.scoring == "sigmoid"):
+        # DeepSeek-V3/R1 routing; the random bias stands in for the trained
+        # e_score_correction_bias so that the biased choice is exercised too.
+        bias = torch.randn(E, generator=g) / 8
+        topk_weights, topk_ids = grouped_topk(
+            logits, args.topk, renormalize=True, num_expert_group=cfg.n_group,
+            topk_group=cfg.topk_group, scoring_func=cfg.scoring, e_score_correction_bias=bias,
+            routed_scaling_factor=cfg.routed_scaling_factor)
+    else:
+        topk_weights, topk_ids = fused_topk(logits, args.topk, True)
     return x, w1, w2, topk_weights, topk_ids
 
 
@@ -312,6 +324,20 @@ def _demo_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     return _run_layer(args, rank, world_size, torch.device("cuda", rank) if nccl else torch.device("cpu"))
 
 
+def _apply_demo_model(args: argparse.Namespace) -> None:
+    """With --model, the preset's routing: its experts, top-k and router (grouped_topk for
+    DeepSeek's sigmoid / grouped routing); the layer keeps --hidden and --intermediate."""
+    args.routing = None
+    if args.model is None:
+        return
+    from vllm_moe_fixes.config import load_model_config
+    try:
+        cfg = load_model_config(args.model)
+    except ValueError as e:
+        raise UsageError(f"--model: {e}") from None
+    args.routing, args.experts, args.topk = cfg, cfg.num_experts, cfg.top_k
+
+
 def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
     """Raise UsageError (exit 2, nothing started) for bad arguments, bad environment values, and
     backends or sizes that cannot run here."""
@@ -374,11 +400,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     n = args.world_size
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= n and not args.cpu
+    _apply_demo_model(args)
     _validate_demo(args, use_cuda)
     where = (f"{n} GPU(s), NCCL" if n > 1 else "GPU") if use_cuda else (
         f"{n} CPU processes, gloo" if n > 1 else "CPU")
+    routing = "" if args.routing is None else f", routed as {args.routing.name}"
     print(f"demo: one MoE layer, K={args.hidden} I={args.intermediate} E={args.experts} "
-          f"top-{args.topk}, {args.tokens} tokens per rank, world size {n} on {where}")
+          f"top-{args.topk}{routing}, {args.tokens} tokens per rank, world size {n} on {where}")
     try:
         if n == 1:
             results = [_run_layer(args, 0, 1, torch.device("cuda" if use_cuda else "cpu"))]
@@ -569,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="I, a multiple of 128")
     d.add_argument("--experts", type=int_at_least(1), default=16, help="E (global)")
     d.add_argument("--topk", type=int_at_least(1), default=4, help="k")
+    d.add_argument("--model", default=None, help="route as this preset (or JSON model file) "
+                   "does: its experts, top-k and router (DeepSeek presets: grouped_topk); "
+                   "overrides --experts and --topk")
     d.add_argument("--seed", type=SEED, default=0)
     d.add_argument("--reps", type=int_at_least(0), default=5, help="timed calls after the first")
     d.add_argument("--backend", default=None, choices=envs.ALL2ALL_BACKENDS,

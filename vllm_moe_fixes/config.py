@@ -9,7 +9,7 @@ Presets (values from each model's public ``config.json``):
 
 | preset | hidden | moe inter. | experts | top-k | vocab | layers (dense) | router |
 |---|---|---|---|---|---|---|---|
-| deepseek-v3, deepseek-r1 | 7168 | 2048 | 256 | 8 | 129280 | 61 (3) | sigmoid, 8 groups, top-4 groups |
+| deepseek-v3, deepseek-r1 | 7168 | 2048 | 256 | 8 | 129280 | 61 (3) | sigmoid, 8 groups, top-4 groups, x2.5 |
 | qwen3-30b-a3b | 2048 | 768 | 128 | 8 | 151936 | 48 (0) | softmax |
 | qwen3-235b-a22b | 4096 | 1536 | 128 | 8 | 151936 | 94 (0) | softmax |
 | mixtral-8x7b | 4096 | 14336 | 8 | 2 | 32000 | 32 (0) | softmax |
@@ -33,7 +33,8 @@ class MoEModelConfig:
     [E, K, I]); ``num_experts`` E (routed); ``top_k``; ``vocab_size``; ``num_layers`` (all decoder
     layers); ``num_dense_layers`` (leading layers without experts, default 0); ``scoring``
     ("softmax" or "sigmoid"); ``n_group`` / ``topk_group`` (grouped routing: experts split into
-    n_group equal groups, only the topk_group best groups are eligible; 1 / 1 = plain top-k).
+    n_group equal groups, only the topk_group best groups are eligible; 1 / 1 = plain top-k);
+    ``routed_scaling_factor`` (multiplies the routing weights, DeepSeek-V3's 2.5; default 1.0).
     """
 
     name: str
@@ -47,6 +48,7 @@ class MoEModelConfig:
     num_dense_layers: int = 0
     n_group: int = 1
     topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -60,6 +62,11 @@ class MoEModelConfig:
         if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense < self.num_layers:
             raise ValueError(f"{self.name}: num_dense_layers must be an int in [0, num_layers="
                              f"{self.num_layers}), got {dense!r}")
+        factor = self.routed_scaling_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+                or not 0 < factor < float("inf"):
+            raise ValueError(f"{self.name}: routed_scaling_factor must be a finite number > 0, "
+                             f"got {factor!r}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"{self.name}: scoring must be one of {', '.join(SCORINGS)}, "
                              f"got {self.scoring!r}")
@@ -87,7 +94,7 @@ class MoEModelConfig:
 def _deepseek(name: str) -> MoEModelConfig:
     return MoEModelConfig(name, hidden_size=7168, moe_intermediate_size=2048, num_experts=256,
                           top_k=8, vocab_size=129280, num_layers=61, num_dense_layers=3,
-                          scoring="sigmoid", n_group=8, topk_group=4)
+                          scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5)
 
 
 PRESETS: dict[str, MoEModelConfig] = {
