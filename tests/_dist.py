@@ -1,8 +1,8 @@
 """Test helpers for multi-rank tests: the launcher lives in vllm_moe_fixes.distributed.launch.
 
 ``run_distributed(fn, world_size, *args, backend=...)`` (gloo ranks forked, NCCL ranks spawned,
-every failing rank prints its traceback, returns the per-rank return values) and ``free_port`` are
-re-exported from there; ``device_for`` is test-only.
+every failing rank prints its traceback, returns the per-rank return values) is re-exported from
+there; ``device_for`` is test-only.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vllm_moe_fixes.distributed.launch import free_port, run_distributed
+from vllm_moe_fixes.distributed.launch import run_distributed
 
-__all__ = ["device_for", "free_port", "run_distributed"]
+__all__ = ["device_for", "run_distributed"]
 
 
 def device_for(rank: int) -> torch.device:

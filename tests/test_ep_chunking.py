@@ -10,7 +10,6 @@ cdiv(max tokens, chunk) dispatches, and the low-latency buffer is sized for one 
 import os
 
 import pytest
-import torch
 from _dist import run_distributed
 from test_ep_kernel import check, local_slice, make_weights
 from test_torch_buffer import make_problem

@@ -46,7 +46,6 @@ from vllm_moe_fixes.ops.reference import calc_diff, rel_err
 from vllm_moe_fixes.sizes import (
     LAYOUT_INDEX_COLUMNS,
     batched_workspace_shapes,
-    contiguous_num_rows,
     contiguous_workspace_shapes,
     expected_rows_per_expert,
     layer_declared_bytes,

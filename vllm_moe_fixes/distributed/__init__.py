@@ -1,7 +1,7 @@
 """All-to-all buffers (DeepEP or its API on torch.distributed) and DeepEP's buffer sizing.
 
 The sizing functions need no torch (`vllm-moe-fixes plan` imports only them); TorchAll2AllBuffer
-is imported on first use. ``vllm_moe_fixes.distributed.launch`` (free_port, run_distributed: run a
+is imported on first use. ``vllm_moe_fixes.distributed.launch`` (run_distributed: run a
 function on fresh local gloo/NCCL ranks) imports torch and is not imported here.
 """
 

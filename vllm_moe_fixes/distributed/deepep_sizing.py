@@ -20,8 +20,6 @@ from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
 MiB = 2**20
 # Ranks one NVLink domain holds; more ranks are split into RDMA "nodes" of 8.
 NUM_MAX_NVL_PEERS = 8
-# Most RDMA nodes of high-throughput mode (8 * 20 = 160 ranks).
-NUM_MAX_RDMA_PEERS = 20
 # Every DeepEP buffer size is a multiple of this many bytes.
 BUFFER_ALIGNMENT = 128
 # Most local experts per rank in high-throughput dispatch (the mapped per-expert counters).

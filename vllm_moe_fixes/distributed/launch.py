@@ -24,18 +24,10 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import time
 import traceback
-
-
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, backend: str, fn, args, out_dir: str) -> None:

@@ -492,7 +492,9 @@ class TorchAll2AllBuffer:
         ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, ws.gathered_weights,
                         ws.partial)
         run_collective(dist.all_to_all_single, ws.back, ws.partial, group=self.group)
-        out.copy_(ws.back.view(self.group_size, n, h)[:, :t].sum(0))
+        # The sum over source ranks goes into `partial`, dead once the all-to-all has read it.
+        total = torch.sum(ws.back.view(self.group_size, n, h)[:, :t], 0, out=ws.partial[:t])
+        out.copy_(total)
         return out, None, ((lambda: None) if return_recv_hook else None)
 
     # Low-latency steps.

@@ -37,7 +37,6 @@ from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.permute import check_routing_ranges
 from vllm_moe_fixes.sizes import expected_rows_per_expert
 
-BLOCK = SCALE_BLOCK  # the 128x128 weight / 1x128 activation scale block, by its short name
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -172,7 +171,7 @@ class Experts(ABC):
 class Workspaces:
     """Two grow-only bf16 buffers (per device), shareable by the kernels of several layers.
 
-    `get` returns the same view objects for the same request (at most _MAX_VIEWS requests are
+    `get` returns the same view objects for the same request (the latest _MAX_VIEWS requests are
     remembered) until a buffer grows, so the experts may cache their own views on them.
     """
 
@@ -202,7 +201,7 @@ class Workspaces:
         buf13 = self._get("ws13", n13, device, dtype)
         buf2 = self._get("ws2", n2, device, dtype)
         if len(self._views) >= self._MAX_VIEWS:
-            self._views.clear()
+            del self._views[next(iter(self._views))]  # the oldest request
         views = self._views[key] = (buf13[:n13].view(ws13_shape), buf2[:n2].view(ws2_shape))
         return views
 
@@ -359,17 +358,17 @@ class FusedMoEModularKernel:
             raise ValueError(f"w1 must be [E_l, 2I, K={K}] with E_l > 0 and an even 2I > 0, got "
                              f"{_shape(w1)}")
         N = two_n // 2
-        if K % BLOCK or N % BLOCK:
+        if K % SCALE_BLOCK or N % SCALE_BLOCK:
             raise ValueError(f"hidden size K={K} and intermediate size I={N} must be multiples of "
-                             f"{BLOCK} (the 128x128 weight blocks and 1x128 activation groups "
+                             f"{SCALE_BLOCK} (the 128x128 weight blocks and 1x128 activation groups "
                              f"every backend uses)")
         if not (w2.dtype == FP8_DTYPE and w2.shape == (E_l, K, N)):
             raise ValueError(f"w2 must be float8_e4m3fn [E_l, K, I] = {(E_l, K, N)}, got "
                              f"{w2.dtype} {_shape(w2)}")
         if not (w1.is_contiguous() and w2.is_contiguous()):
             raise ValueError("w1 and w2 must be contiguous")
-        for name, s, want in (("w1_scale", w1_scale, (E_l, 2 * N // BLOCK, K // BLOCK)),
-                              ("w2_scale", w2_scale, (E_l, K // BLOCK, N // BLOCK))):
+        for name, s, want in (("w1_scale", w1_scale, (E_l, 2 * N // SCALE_BLOCK, K // SCALE_BLOCK)),
+                              ("w2_scale", w2_scale, (E_l, K // SCALE_BLOCK, N // SCALE_BLOCK))):
             if not (s.dtype == torch.float32 and s.shape == want):
                 raise ValueError(f"{name} must be float32 {want} (128x128 blocks), got {s.dtype} "
                                  f"{_shape(s)}")

@@ -121,7 +121,9 @@ def _tma_views(a_q: torch.Tensor, w_q: torch.Tensor):
 # strides; it is dropped when either operand is freed (a weakref callback), so it never keeps a
 # buffer alive past its tensor.
 _DESCRIPTORS: dict[tuple, tuple] = {}
-_MAX_DESCRIPTORS = 64
+# A model calls two GEMMs per MoE layer with its own weights (DeepSeek-V3: 58 layers, 116 pairs)
+# for each workspace shape in use; past this many entries the oldest one goes.
+_MAX_DESCRIPTORS = 1024
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -149,7 +151,7 @@ def _descriptors(cfg: dict, a_q: torch.Tensor, w_q: torch.Tensor) -> list:
             del _DESCRIPTORS[key]
 
     if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
-        _DESCRIPTORS.clear()
+        del _DESCRIPTORS[next(iter(_DESCRIPTORS))]
     _DESCRIPTORS[key] = (weakref.ref(a_q, drop), weakref.ref(w_q, drop), signatures, descs)
     return descs
 
