@@ -466,6 +466,7 @@ def test_bad_arguments():
     x, w1, w2 = p["hidden_states"], p["w1"], p["w2"]
     bad("hidden_states", hidden_states=x.float())
     bad("hidden_states", hidden_states=x[None])
+    bad("contiguous channels", hidden_states=x.t().contiguous().t())
     bad("w1", w1=w1.view(torch.uint8))
     bad("w1", w1=w1[:, :, :128])
     bad("w2", w2=w2[:, :, :64])

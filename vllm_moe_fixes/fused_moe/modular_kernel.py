@@ -248,7 +248,8 @@ class FusedMoEModularKernel:
         """Run the layer.
 
         Args:
-            hidden_states: bfloat16 [M, K].
+            hidden_states: bfloat16 [M, K] with contiguous channels (stride(1) == 1), on every
+                prepare/finalize alike.
             w1: float8_e4m3fn [E_l, 2I, K] (rows 0..I-1 gate, I..2I-1 up), contiguous.
             w2: float8_e4m3fn [E_l, K, I], contiguous.
             topk_weights: float32 [M, k].
@@ -351,6 +352,9 @@ class FusedMoEModularKernel:
         if not (x.dim() == 2 and x.dtype == torch.bfloat16):
             raise ValueError(f"hidden_states must be bfloat16 [M, K], got {x.dtype} {_shape(x)}")
         M, K = x.shape
+        if x.stride(1) != 1 and K > 1:
+            raise ValueError(f"hidden_states must have contiguous channels (stride(1) == 1), "
+                             f"got strides {x.stride()}")
         if not (w1.dim() == 3 and w1.dtype == FP8_DTYPE):
             raise ValueError(f"w1 must be float8_e4m3fn [E_l, 2I, K], got {w1.dtype} {_shape(w1)}")
         E_l, two_n, k_w1 = w1.shape

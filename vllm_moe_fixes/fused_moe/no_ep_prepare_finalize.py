@@ -37,11 +37,11 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
                 apply_router_weight_on_input) -> PrepareResult:
         if apply_router_weight_on_input:
             a1 = a1 * topk_weights.to(a1.dtype)  # k == 1: [M, 1] broadcasts over K
-        if not a1.is_cuda or a1.stride(1) != 1:  # the public op refuses strided channels
+        if not a1.is_cuda:
             a1q, a1q_scale = per_token_group_quant_fp8(a1, SCALE_BLOCK)
             return PrepareResult(a1q=a1q, a1q_scale=a1q_scale)
         # The public op's launch without its argument checks (the modular kernel has validated
-        # a1: bf16 [M, K], K a multiple of 128; its channels are contiguous): the same kernel and
+        # a1: bf16 [M, K] with contiguous channels, K a multiple of 128): the same kernel and
         # tensors, less host time.
         M, K = a1.shape
         a1q = torch.empty((M, K), dtype=FP8_DTYPE, device=a1.device)
