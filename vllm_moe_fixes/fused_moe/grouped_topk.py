@@ -12,7 +12,8 @@ For every token (row of the router logits, E experts in G equal groups of S = E/
 
 Deterministic order and ties: groups and experts are ranked by value, largest first, and equal
 values by index, lowest first. The k slots of a token come out in that order. A NaN choice value
-(NaN or +-inf logits) ranks as -inf, so the ids are always experts of kept groups.
+(from a NaN logit, or softmax over +inf logits) ranks as -inf, so the ids are always experts of
+kept groups.
 
 Scores are computed in float64 and rounded to float32. The torch path and the kernel use
 different exp implementations (SLEEF, numpy, libdevice); in float32 these differ by an ulp on

@@ -64,7 +64,7 @@ def round_to_bf16_grid(v):
 
 
 @triton.jit
-def _round_to_e4m3_grid(v):
+def round_to_e4m3_grid(v):
     """Round float32 v (|v| <= 448) to the nearest float8_e4m3fn value, ties to even, in float32.
 
     Works on the magnitude's bits and ORs the sign bit back at the end, so every result, -0.0
@@ -101,7 +101,7 @@ def quantize_groups(x, eps, UE8M0: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)  # a NaN quotient becomes -448
     if ROUND_IN_FP32:
-        q = _round_to_e4m3_grid(q)
+        q = round_to_e4m3_grid(q)
     return q, scale
 
 

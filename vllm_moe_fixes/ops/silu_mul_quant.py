@@ -24,14 +24,13 @@ import triton.language as tl
 
 from vllm_moe_fixes.ops.activation import silu_and_mul_values
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
-from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, quantize_groups
+from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, QUANT_EPS, quantize_groups
 from vllm_moe_fixes.ops.reference import silu_and_mul_quant_fp8_ref
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
-_EPS = 1e-10  # the group-max floor of per_token_group_quant_fp8's default
 _GROUP = tl.constexpr(SCALE_BLOCK)
 
-# Default launch config (not yet swept on a GPU; benchmarks/bench_quant.py --sweep times others):
+# Default launch config (`python -m benchmarks.bench_quant --only fused --sweep` times others):
 # 4 rows x 4 groups per program keeps decode tiles small (a few rows per expert) and reads 8 KiB
 # of bf16 per program.
 FUSED_BLOCK_M, FUSED_GROUPS_PER_PROG, FUSED_NUM_WARPS = 4, 4, 4
@@ -98,7 +97,7 @@ def silu_and_mul_quant_fp8_triton(
             (num_groups + groups_per_prog - 1) // groups_per_prog, experts)
     _silu_and_mul_quant_fp8_kernel[grid](
         x, x_q, x_s, expert_num_tokens, rows_per_expert, num_groups,
-        x_e, x.stride(-2), q_e, x_q.stride(-2), s_e, x_s.stride(-2), x_s.stride(-1), _EPS,
+        x_e, x.stride(-2), q_e, x_q.stride(-2), s_e, x_s.stride(-2), x_s.stride(-1), QUANT_EPS,
         HAS_COUNTS=expert_num_tokens is not None, BLOCK_M=block_m,
         GROUPS_PER_PROG=groups_per_prog, UE8M0=use_ue8m0, INTERPRETED=INTERPRETING,
         num_warps=num_warps,

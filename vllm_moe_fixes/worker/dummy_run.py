@@ -76,8 +76,8 @@ def _check_writable(name: str, tensor: torch.Tensor) -> None:
     random values into it, or its saved contents back, cannot be done element by element."""
     if torch._debug_has_internal_overlap(tensor) == 1:  # 1: certainly overlapping
         raise ValueError(f"{name} (shape {tuple(tensor.shape)}, stride {tensor.stride()}) has "
-                         "elements that share memory (an expanded tensor?): the ids are written "
-                         "in place, so pass a tensor that owns each element (e.g. .clone())")
+                         "elements that share memory (an expanded tensor?): it is written in "
+                         "place, so pass a tensor that owns each element (e.g. .clone())")
 
 
 def _validate(input_ids, vocab_size, dp_size, inputs_embeds) -> None:
