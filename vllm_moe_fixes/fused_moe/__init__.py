@@ -28,7 +28,7 @@ from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinali
 from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference
 
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
-           "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize", "DeepGemmExperts", "Experts",
-           "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize", "PrepareResult",
-           "TritonExperts", "Workspaces", "fused_topk", "grouped_topk", "moe_reference", "select_batched_experts",
-           "select_experts", "select_experts_of"]
+           "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize", "DeepGemmExperts",
+           "Experts", "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize",
+           "PrepareResult", "TritonExperts", "Workspaces", "fused_topk", "grouped_topk",
+           "moe_reference", "select_batched_experts", "select_experts", "select_experts_of"]

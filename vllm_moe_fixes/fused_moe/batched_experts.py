@@ -23,7 +23,7 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
-from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts, views_cached_on
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.grouped_gemm import (
@@ -66,14 +66,8 @@ def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, e_l: int, t: int, n: int)
 
 
 def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, e_l: int, t: int, n: int):
-    """_make_views, cached in a dict attached to ws2 itself (the modular kernel hands the same
-    workspace view objects to every call of a shape until a buffer grows)."""
-    cache = ws2.__dict__.setdefault("_batched_views", {})
-    key = (ws13.data_ptr(), ws2.data_ptr(), e_l, t, n)
-    views = cache.get(key)
-    if views is None:
-        views = cache[key] = _make_views(ws13, ws2, e_l, t, n)
-    return views
+    """_make_views, cached on the workspaces (modular_kernel.views_cached_on)."""
+    return views_cached_on(ws13, ws2, _make_views, e_l, t, n)
 
 
 def _silu_and_mul_quant(h, g_q, g_s, masked_m) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
-from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts, views_cached_on
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_ref,
@@ -91,15 +91,8 @@ def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int,
 
 def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int, K: int,
                     N: int) -> _Views:
-    """_make_views, cached in a dict attached to ws2 itself: the modular kernel hands the same
-    workspace view objects to every call of a shape, and the cached views live exactly as long
-    as it keeps those (so they never outlive a workspace that grew)."""
-    cache = ws2.__dict__.setdefault("_contiguous_views", {})
-    key = (ws13.data_ptr(), ws2.data_ptr(), num_slots, E_l, K, N)
-    views = cache.get(key)
-    if views is None:
-        views = cache[key] = _make_views(ws13, ws2, num_slots, E_l, K, N)
-    return views
+    """_make_views, cached on the workspaces (modular_kernel.views_cached_on)."""
+    return views_cached_on(ws13, ws2, _make_views, num_slots, E_l, K, N)
 
 
 class _Launchers(NamedTuple):

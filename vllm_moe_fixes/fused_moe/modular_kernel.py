@@ -206,6 +206,18 @@ class Workspaces:
         return views
 
 
+def views_cached_on(ws13: torch.Tensor, ws2: torch.Tensor, make, *sizes):
+    """``make(ws13, ws2, *sizes)``, cached in a dict attached to ws2 itself: the kernel hands the
+    same workspace view objects to every call of a shape until a buffer grows, so an experts'
+    views built on them live exactly as long as those (never past a workspace that grew)."""
+    cache = ws2.__dict__.setdefault("_views_of", {})
+    key = (make, ws13.data_ptr(), ws2.data_ptr(), *sizes)
+    views = cache.get(key)
+    if views is None:
+        views = cache[key] = make(ws13, ws2, *sizes)
+    return views
+
+
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
@@ -364,8 +376,8 @@ class FusedMoEModularKernel:
         N = two_n // 2
         if K % SCALE_BLOCK or N % SCALE_BLOCK:
             raise ValueError(f"hidden size K={K} and intermediate size I={N} must be multiples of "
-                             f"{SCALE_BLOCK} (the 128x128 weight blocks and 1x128 activation groups "
-                             f"every backend uses)")
+                             f"{SCALE_BLOCK} (the 128x128 weight blocks and 1x128 activation "
+                             "groups every backend uses)")
         if not (w2.dtype == FP8_DTYPE and w2.shape == (E_l, K, N)):
             raise ValueError(f"w2 must be float8_e4m3fn [E_l, K, I] = {(E_l, K, N)}, got "
                              f"{w2.dtype} {_shape(w2)}")
