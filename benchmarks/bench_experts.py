@@ -42,7 +42,14 @@ import time
 
 import torch
 
-from benchmarks._common import bench_us, graph_us, host_us, print_table, write_json
+from benchmarks._common import (
+    bench_us,
+    graph_us,
+    host_us,
+    kernels_per_call,
+    print_table,
+    write_json,
+)
 from vllm_moe_fixes._compat import deep_gemm as dg
 from vllm_moe_fixes._memory import peak_memory
 from vllm_moe_fixes.fused_moe.batched_experts import (
@@ -93,19 +100,6 @@ _TO_PROFILE: list = []
 def count_kernels_later(row: dict, fn) -> None:
     row["kernels"] = None
     _TO_PROFILE.append((row, fn))
-
-
-def kernels_per_call(fn, calls: int = 3) -> float:
-    """CUDA kernels (memsets and copies included) per call of fn, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(kernels) / calls
 
 
 def make_weights(num_experts: int, seed: int = 0):
@@ -277,7 +271,7 @@ def main() -> None:
         tables.append(("batched experts", "experts_batched", batched))
         shape.update(batched_experts=BATCHED_E, batched_T=BATCHED_T)
     for row, fn in _TO_PROFILE:
-        row["kernels"] = kernels_per_call(fn)
+        row["kernels"] = kernels_per_call(fn)[0]
     for title, json_name, rows in tables:
         print(f"\n{title}")
         print_table(rows, list(rows[0]))

@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from benchmarks._common import kernels_per_call
 from vllm_moe_fixes._compat import deep_gemm as compat
 from vllm_moe_fixes.fused_moe import contiguous_experts as experts_mod
 from vllm_moe_fixes.fused_moe import experts_selection as selection_mod
@@ -793,20 +794,6 @@ def test_gpu_deep_gemm_experts(E, k, M, N, K, use_map, monkeypatch):
     assert calc_diff(out, triton_out) < 1e-3
 
 
-def _kernels_per_call(fn, calls=3):
-    """CUDA kernels launched per call of fn, from torch.profiler (after a warm-up call)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset"))]
-    return len(kernels) / calls, sorted({e.name for e in kernels})
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,backend", [(1, "triton"), (128, "triton"), (4096, "triton"),
                                        pytest.param(128, "deep_gemm", marks=pytest.mark.deep_gemm),
@@ -817,7 +804,7 @@ def test_gpu_contiguous_path_launches_at_most_8_kernels(M, backend):
     E, k, N, K = 8, 8, 256, 512
     p = make_problem(M, k, E, N, K, device="cuda", seed=M)
     kernel = new_kernel(DeepGemmExperts() if backend == "deep_gemm" else None)
-    per_call, names = _kernels_per_call(lambda: run(kernel, p, E))
+    per_call, names = kernels_per_call(lambda: run(kernel, p, E), copies=False)
     assert per_call <= 8, (per_call, names)
 
 
