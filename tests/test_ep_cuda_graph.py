@@ -70,14 +70,13 @@ def _graph_worker(rank, world):
         check(replayed, new_x, *full, new_ids, new_w)
 
 
-@pytest.mark.gpu
-def test_low_latency_layer_cuda_graph_one_gpu():
-    run_distributed(_graph_worker, 1, backend="nccl")
+# One rank on one GPU; two ranks where two GPUs exist.
+WORLDS = [pytest.param(1, marks=pytest.mark.gpu), pytest.param(2, marks=pytest.mark.multi_gpu)]
 
 
-@pytest.mark.multi_gpu
-def test_low_latency_layer_cuda_graph_two_gpus():
-    run_distributed(_graph_worker, 2, backend="nccl")
+@pytest.mark.parametrize("world", WORLDS)
+def test_low_latency_layer_cuda_graph(world):
+    run_distributed(_graph_worker, world, backend="nccl")
 
 
 def _syncs(fn) -> int:
@@ -122,11 +121,6 @@ def _sync_count_worker(rank, world):
         assert _syncs(lambda: buffer.low_latency_combine(y, ids, w, ll["d"][2])) == 0
 
 
-@pytest.mark.gpu
-def test_naive_all2all_host_syncs_one_gpu():
-    run_distributed(_sync_count_worker, 1, backend="nccl")
-
-
-@pytest.mark.multi_gpu
-def test_naive_all2all_host_syncs_two_gpus():
-    run_distributed(_sync_count_worker, 2, backend="nccl")
+@pytest.mark.parametrize("world", WORLDS)
+def test_naive_all2all_host_syncs(world):
+    run_distributed(_sync_count_worker, world, backend="nccl")
