@@ -189,7 +189,8 @@ def _demo_problem(args: argparse.Namespace, num_tokens: int):
     import torch
 
     from vllm_moe_fixes.fused_moe.grouped_topk import grouped_topk
-    from vllm_moe_fixes.fused_moe.routing import fused_topk, quant_block_fp8
+    from vllm_moe_fixes.fused_moe.routing import fused_topk
+    from vllm_moe_fixes.testing import quant_block_fp8
 
     K, I, E = args.hidden, args.intermediate, args.experts
     g = torch.Generator().manual_seed(args.seed)
@@ -232,10 +233,8 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
     import torch
 
     from vllm_moe_fixes._memory import peak_memory
-    from vllm_moe_fixes.fused_moe.contiguous_experts import select_experts
-    from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
-    from vllm_moe_fixes.fused_moe.routing import moe_reference
-    from vllm_moe_fixes.ops.reference import calc_diff
+    from vllm_moe_fixes.fused_moe.kernel_factory import local_expert_map, make_moe_kernel
+    from vllm_moe_fixes.testing import calc_diff, moe_reference
 
     M, E = args.tokens, args.experts
     x, (gw1q, gw1s), (gw2q, gw2s), weights, ids = _demo_problem(args, M * world_size)
@@ -243,21 +242,16 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
     x, weights, ids = x[mine], weights[mine], ids[mine]
     # The reference sees every expert (the global weights) and this rank's tokens.
     ref = moe_reference(x, gw1q, gw2q, weights, ids, w1_scale=gw1s, w2_scale=gw2s)
-    E_l = E // world_size
-    local = slice(rank * E_l, (rank + 1) * E_l)
+    local_num_experts = E // world_size
+    local = slice(rank * local_num_experts, (rank + 1) * local_num_experts)
     w1q, w1s, w2q, w2s = (t[local].contiguous() for t in (gw1q, gw1s, gw2q, gw2s))
-    expert_map = None
-    if world_size == 1:
-        from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
-        pf, experts, backend = NoEPPrepareAndFinalize(), select_experts(args.intermediate, args.hidden), "none"
-    else:
-        pf, experts, backend = _ep_components(args, rank, world_size, E_l)
-        expert_map = torch.full((E,), -1, dtype=torch.int32)
-        expert_map[local] = torch.arange(E_l, dtype=torch.int32)
-    kernel = FusedMoEModularKernel(pf, experts)
+    ep_group = _demo_ep_group(world_size)
+    kernel = make_moe_kernel(ep_group, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                             num_experts=E, max_tokens_per_rank=M, backend=_demo_backend(args),
+                             low_latency=_demo_low_latency(args))
     tensors = [t.to(device) for t in (x, w1q, w2q, weights, ids, w1s, w2s)]
     x, w1q, w2q, weights, ids, w1s, w2s = tensors
-    expert_map = expert_map.to(device) if expert_map is not None else None
+    expert_map = local_expert_map(ep_group, E, device)
 
     def call():
         return kernel(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s,
@@ -273,35 +267,25 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
     out = out.float().cpu()
     return {"rank": rank, "diff": calc_diff(out, ref), "max_abs_err": float((out - ref).abs().max()),
             "first_ms": first * 1e3, "median_ms": sorted(times)[len(times) // 2] * 1e3 if times else None,
-            "peak": peak, "prepare_finalize": type(pf).__name__, "experts": type(experts).__name__,
-            "all2all": backend, "finite": bool(torch.isfinite(out).all())}
+            "peak": peak, "prepare_finalize": type(kernel.prepare_finalize).__name__,
+            "experts": type(kernel.experts).__name__, "all2all": _demo_all2all(args, world_size),
+            "finite": bool(torch.isfinite(out).all())}
 
 
-def _ep_components(args: argparse.Namespace, rank: int, world_size: int, local_experts: int):
-    """(prepare_finalize, experts, description) of the EP path: the backend's all-to-all buffer,
-    high-throughput (standard layout) or low-latency (batched layout) prepare/finalize, and the
-    experts VLLM_USE_DEEP_GEMM selects."""
-    from vllm_moe_fixes.distributed.buffers import make_all2all_buffer
-    from vllm_moe_fixes.fused_moe.batched_experts import select_batched_experts
-    from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
-        DeepEPHTPrepareAndFinalize,
-        DeepEPLLPrepareAndFinalize,
-    )
-    from vllm_moe_fixes.fused_moe.contiguous_experts import select_experts
+def _demo_ep_group(world_size: int):
+    """The demo's expert-parallel group: every process of the run, or None on one rank."""
+    if world_size == 1:
+        return None
+    import torch.distributed as dist
+    return dist.group.WORLD
 
-    backend = _demo_backend(args)
-    low_latency = _demo_low_latency(args)
-    buffer = make_all2all_buffer(backend, None, max_tokens_per_rank=args.tokens,
-                                 hidden=args.hidden, num_experts=args.experts)
-    if low_latency:
-        pf = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=world_size,
-                                        max_tokens_per_rank=args.tokens)
-        experts = select_batched_experts(args.intermediate, args.hidden)
-    else:
-        pf = DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world_size,
-                                        rank_expert_offset=rank * local_experts)
-        experts = select_experts(args.intermediate, args.hidden)
-    return pf, experts, f"{backend} ({'low-latency' if low_latency else 'high-throughput'} mode)"
+
+def _demo_all2all(args: argparse.Namespace, world_size: int) -> str:
+    """The all-to-all the demo runs, as printed."""
+    if world_size == 1:
+        return "none"
+    mode = "low-latency" if _demo_low_latency(args) else "high-throughput"
+    return f"{_demo_backend(args)} ({mode} mode)"
 
 
 def _demo_backend(args: argparse.Namespace) -> str:

@@ -16,19 +16,26 @@ from vllm_moe_fixes.fused_moe.contiguous_experts import (
 )
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.grouped_topk import grouped_topk
+from vllm_moe_fixes.fused_moe.kernel_factory import (
+    local_expert_map,
+    make_moe_kernel,
+    make_prepare_finalize,
+    select_experts_for,
+)
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
     Experts,
     FusedMoEModularKernel,
     PrepareAndFinalize,
     PrepareResult,
-    Workspaces,
 )
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
-from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference
+from vllm_moe_fixes.fused_moe.routing import fused_topk
+from vllm_moe_fixes.testing import moe_reference
 
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
            "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize", "DeepGemmExperts",
            "Experts", "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize",
            "PrepareResult", "TritonExperts", "Workspaces", "fused_topk", "grouped_topk",
-           "moe_reference", "select_batched_experts", "select_experts", "select_experts_of"]
+           "local_expert_map", "make_moe_kernel", "make_prepare_finalize", "moe_reference",
+           "select_batched_experts", "select_experts", "select_experts_for", "select_experts_of"]

@@ -23,35 +23,15 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
-from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts, views_cached_on
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
+from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
-from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_masked_ref,
     grouped_fp8_gemm_masked_triton,
 )
 from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_triton
 from vllm_moe_fixes.sizes import batched_workspace_shapes
-
-
-def quant_batched_fp8(x: torch.Tensor, out_q: torch.Tensor | None = None,
-                      out_s: torch.Tensor | None = None):
-    """bf16 [E, T, K] -> (fp8 [E, T, K], float32 scales [E, T, K/128] with strides
-    (T*K/128, 1, T): MN-major per expert, DeepEP's low-latency layout). 1x128 groups, every row.
-
-    out_q: fp8 [E, T, K] contiguous, out_s: float32 [E, T, K/128] with those strides; each
-    allocated when None. The quant kernel takes 2-D scale strides over the E*T flattened rows, and
-    per-expert MN-major (row e*T + t, group g at e*T*G + g*T + t) is not of that form, so the
-    scales are written row-major first and copied (E*T*K/32 bytes).
-    """
-    e, t, k = x.shape
-    q, s = per_token_group_quant_fp8(x.reshape(e * t, k), SCALE_BLOCK,
-                                     out_q=None if out_q is None else out_q.view(e * t, k))
-    if out_s is None:
-        out_s = torch.empty(e, k // SCALE_BLOCK, t, dtype=torch.float32,
-                            device=x.device).transpose(1, 2)
-    out_s.copy_(s.view(e, t, k // SCALE_BLOCK))
-    return q.view(e, t, k), out_s
 
 
 def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, e_l: int, t: int, n: int):
@@ -66,7 +46,7 @@ def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, e_l: int, t: int, n: int)
 
 
 def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, e_l: int, t: int, n: int):
-    """_make_views, cached on the workspaces (modular_kernel.views_cached_on)."""
+    """_make_views, cached on the workspaces (workspaces.views_cached_on)."""
     return views_cached_on(ws13, ws2, _make_views, e_l, t, n)
 
 

@@ -31,7 +31,8 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
-from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts, views_cached_on
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
+from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_ref,
@@ -91,7 +92,7 @@ def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int,
 
 def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int, K: int,
                     N: int) -> _Views:
-    """_make_views, cached on the workspaces (modular_kernel.views_cached_on)."""
+    """_make_views, cached on the workspaces (workspaces.views_cached_on)."""
     return views_cached_on(ws13, ws2, _make_views, num_slots, E_l, K, N)
 
 

@@ -26,6 +26,7 @@ write the layer's output directly.
 from __future__ import annotations
 
 import enum
+import inspect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -33,11 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from vllm_moe_fixes import envs
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
-from vllm_moe_fixes.ops.permute import check_routing_ranges
+from vllm_moe_fixes.fused_moe.kernel_checks import check_layer_call
+from vllm_moe_fixes.fused_moe.workspaces import Workspaces
 from vllm_moe_fixes.sizes import expected_rows_per_expert
-
-_ID_DTYPES = (torch.int32, torch.int64)
 
 
 class ActivationFormat(enum.Enum):
@@ -93,6 +92,11 @@ class PrepareAndFinalize(ABC):
                  apply_router_weight_on_input: bool, *, output_is_reduced: bool = False) -> None:
         """Write output bf16 [M, K] (this chunk's tokens of the caller).
 
+        output_is_reduced is keyword-only and new in this signature: a subclass whose finalize
+        does not take it still runs, with experts that do not reduce (the kernel then calls it
+        without the keyword); the kernel refuses to pair it with reducing experts, whose output
+        such a finalize would sum a second time.
+
         fused_expert_output: STANDARD: [M', K] already weighted and summed over the k slots when
         output_is_reduced (the experts' `reduces_output`; it may be `output` itself when
         passes_reduced_output_through), else [M', k, K] one row per slot, unreduced (slots with
@@ -138,13 +142,13 @@ class Experts(ABC):
     reduces_output: bool = False
 
     @abstractmethod
-    def workspace_shapes(self, M: int, N: int, K: int, topk: int,
+    def workspace_shapes(self, M: int, I: int, K: int, topk: int,
                          local_num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...],
                                                           tuple[int, ...]]:
         """Element shapes (ws13, ws2, out) of the bf16 workspaces and of the experts' output.
 
-        M: rows of a1q (STANDARD) or T, rows per expert slice (BATCHED); N: intermediate size I
-        (w1 [E_l, 2N, K], w2 [E_l, K, N]); K: hidden size; topk: k; local_num_experts: E_l.
+        M: rows of a1q (STANDARD) or T, rows per expert slice (BATCHED); I: intermediate size
+        (w1 [E_l, 2I, K], w2 [E_l, K, I]); K: hidden size; topk: k; local_num_experts: E_l.
         """
 
     @abstractmethod
@@ -157,8 +161,8 @@ class Experts(ABC):
         """Write output (out_shape, bf16): a view of the start of workspace13's storage, or the
         layer's output when the experts reduce and finalize passes it through.
 
-        a1q / a1q_scale: PrepareResult's; w1 fp8 [E_l, 2N, K], w1_scale f32 [E_l, 2N/128, K/128],
-        w2 fp8 [E_l, K, N], w2_scale f32 [E_l, K/128, N/128]; topk_ids int32/int64 [M', k] global
+        a1q / a1q_scale: PrepareResult's; w1 fp8 [E_l, 2I, K], w1_scale f32 [E_l, 2I/128, K/128],
+        w2 fp8 [E_l, K, I], w2_scale f32 [E_l, K/128, I/128]; topk_ids int32/int64 [M', k] global
         ids (STANDARD); expert_map int32 [E] or None; activation "silu"; workspace13 / workspace2
         bf16 views of the declared shapes (contents undefined on entry); expert_num_tokens int32
         [E_l] (BATCHED); topk_weights float32 [M', k] to weight the slots by when the experts
@@ -168,60 +172,6 @@ class Experts(ABC):
         """
 
 
-class Workspaces:
-    """Two grow-only bf16 buffers (per device), shareable by the kernels of several layers.
-
-    `get` returns the same view objects for the same request (the latest _MAX_VIEWS requests are
-    remembered) until a buffer grows, so the experts may cache their own views on them.
-    """
-
-    _MAX_VIEWS = 64
-
-    def __init__(self) -> None:
-        self.ws13: torch.Tensor | None = None
-        self.ws2: torch.Tensor | None = None
-        self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _get(self, name: str, numel: int, device: torch.device, dtype: torch.dtype):
-        buf = getattr(self, name)
-        if buf is None or buf.numel() < numel or buf.device != device or buf.dtype != dtype:
-            self._views.clear()  # drop every view of the old buffer with it
-            setattr(self, name, None)  # free the old buffer before allocating the larger one
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            setattr(self, name, buf)
-        return buf
-
-    def get(self, ws13_shape, ws2_shape, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the requested shapes, growing a buffer when it is too small."""
-        key = (ws13_shape, ws2_shape, device, dtype)
-        views = self._views.get(key)
-        if views is not None:
-            return views
-        n13, n2 = math.prod(ws13_shape), math.prod(ws2_shape)
-        buf13 = self._get("ws13", n13, device, dtype)
-        buf2 = self._get("ws2", n2, device, dtype)
-        if len(self._views) >= self._MAX_VIEWS:
-            del self._views[next(iter(self._views))]  # the oldest request
-        views = self._views[key] = (buf13[:n13].view(ws13_shape), buf2[:n2].view(ws2_shape))
-        return views
-
-
-def views_cached_on(ws13: torch.Tensor, ws2: torch.Tensor, make, *sizes):
-    """``make(ws13, ws2, *sizes)``, cached in a dict attached to ws2 itself: the kernel hands the
-    same workspace view objects to every call of a shape until a buffer grows, so an experts'
-    views built on them live exactly as long as those (never past a workspace that grew)."""
-    cache = ws2.__dict__.setdefault("_views_of", {})
-    key = (make, ws13.data_ptr(), ws2.data_ptr(), *sizes)
-    views = cache.get(key)
-    if views is None:
-        views = cache[key] = make(ws13, ws2, *sizes)
-    return views
-
-
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
 class FusedMoEModularKernel:
     """One MoE layer: `prepare_finalize.prepare` -> `experts.apply` -> `prepare_finalize.finalize`.
 
@@ -229,6 +179,10 @@ class FusedMoEModularKernel:
         prepare_finalize: a PrepareAndFinalize (NoEP, DeepEP high-throughput / low-latency).
         experts: an Experts of the same activation_format.
         workspaces: a Workspaces to share between layers; default: one owned by this kernel.
+
+    Raises ValueError for a pair of different activation formats, and for reducing experts with
+    a prepare/finalize whose finalize does not take output_is_reduced (see
+    PrepareAndFinalize.finalize).
     """
 
     def __init__(self, prepare_finalize: PrepareAndFinalize, experts: Experts,
@@ -247,6 +201,14 @@ class FusedMoEModularKernel:
                 "(NoEP / DeepEP high-throughput + TritonExperts / DeepGemmExperts) and batched "
                 "with batched (DeepEP low-latency + BatchedTritonExperts / "
                 "BatchedDeepGemmExperts)")
+        self._finalize_takes_reduced = _takes_output_is_reduced(prepare_finalize)
+        if experts.reduces_output and not self._finalize_takes_reduced:
+            raise ValueError(
+                f"{type(experts).__name__} reduces its output, but "
+                f"{type(prepare_finalize).__name__}.finalize does not take the keyword "
+                "output_is_reduced, so it cannot tell a reduced [M', K] output from [M', k, K] "
+                "rows: add `*, output_is_reduced: bool = False` to its signature and pass a "
+                "reduced output on unchanged (README, 'Writing a prepare/finalize')")
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.workspaces = workspaces if workspaces is not None else Workspaces()
@@ -291,9 +253,9 @@ class FusedMoEModularKernel:
         prepare/finalize's max_num_tokens_per_rank), reusing the same workspaces; every token
         goes through the same arithmetic as in one pass (all steps work row by row).
         """
-        self._validate(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
-                       global_num_experts, expert_map, activation, apply_router_weight_on_input,
-                       max_tokens_across_ranks)
+        check_layer_call(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
+                         global_num_experts, expert_map, activation,
+                         apply_router_weight_on_input, max_tokens_across_ranks)
         M = hidden_states.shape[0]
         pf = self.prepare_finalize
         chunk = envs.VLLM_FUSED_MOE_CHUNK_SIZE
@@ -319,7 +281,7 @@ class FusedMoEModularKernel:
                    global_num_experts, expert_map, activation, on_input, output) -> None:
         """prepare -> experts -> finalize for one chunk of tokens (validated arguments)."""
         pf, experts = self.prepare_finalize, self.experts
-        E_l, N, K = w1.shape[0], w2.shape[2], x.shape[1]
+        local_num_experts, I, K = w1.shape[0], w2.shape[2], x.shape[1]
         topk = topk_ids.shape[1]
         prep = pf.prepare(x, topk_weights, topk_ids, global_num_experts, expert_map, on_input)
         if prep.topk_ids is not None:
@@ -328,7 +290,8 @@ class FusedMoEModularKernel:
             topk_weights = prep.topk_weights
         standard = experts.activation_format == ActivationFormat.STANDARD
         rows = prep.a1q.shape[0] if standard else prep.a1q.shape[1]
-        ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(rows, N, K, topk, E_l)
+        ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(rows, I, K, topk,
+                                                                  local_num_experts)
         ws13, ws2 = self.workspaces.get(ws13_shape, ws2_shape, x.device, x.dtype)
         reduced = experts.reduces_output
         if reduced and pf.passes_reduced_output_through:
@@ -345,90 +308,16 @@ class FusedMoEModularKernel:
             experts.apply(fused_out, prep.a1q, prep.a1q_scale, w1, w2, w1_scale, w2_scale,
                           topk_ids, expert_map, activation, ws13, ws2, prep.expert_num_tokens,
                           topk_weights=None if on_input else topk_weights, expected_m=expected_m)
-        pf.finalize(output, fused_out, topk_weights, topk_ids, on_input,
-                    output_is_reduced=reduced)
+        if self._finalize_takes_reduced:
+            pf.finalize(output, fused_out, topk_weights, topk_ids, on_input,
+                        output_is_reduced=reduced)
+        else:  # a finalize of the signature before output_is_reduced (experts that do not reduce)
+            pf.finalize(output, fused_out, topk_weights, topk_ids, on_input)
 
-    @staticmethod
-    def _validate(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
-                  expert_map, activation, apply_router_weight_on_input,
-                  max_tokens_across_ranks) -> None:
-        # Each rule is tested first and its message formatted only when it fails: formatting the
-        # shapes and dtypes of every message costs more host time than the tests themselves.
-        for name, t in (("hidden_states", x), ("w1", w1), ("w2", w2),
-                        ("topk_weights", topk_weights),
-                        ("topk_ids", topk_ids), ("w1_scale", w1_scale), ("w2_scale", w2_scale)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t)}")
-        if activation != "silu":
-            raise ValueError(f"activation must be 'silu', got {activation!r}")
-        if not (x.dim() == 2 and x.dtype == torch.bfloat16):
-            raise ValueError(f"hidden_states must be bfloat16 [M, K], got {x.dtype} {_shape(x)}")
-        M, K = x.shape
-        if x.stride(1) != 1 and K > 1:
-            raise ValueError(f"hidden_states must have contiguous channels (stride(1) == 1), "
-                             f"got strides {x.stride()}")
-        if not (w1.dim() == 3 and w1.dtype == FP8_DTYPE):
-            raise ValueError(f"w1 must be float8_e4m3fn [E_l, 2I, K], got {w1.dtype} {_shape(w1)}")
-        E_l, two_n, k_w1 = w1.shape
-        if not (E_l > 0 and two_n > 0 and two_n % 2 == 0 and k_w1 == K):
-            raise ValueError(f"w1 must be [E_l, 2I, K={K}] with E_l > 0 and an even 2I > 0, got "
-                             f"{_shape(w1)}")
-        N = two_n // 2
-        if K % SCALE_BLOCK or N % SCALE_BLOCK:
-            raise ValueError(f"hidden size K={K} and intermediate size I={N} must be multiples of "
-                             f"{SCALE_BLOCK} (the 128x128 weight blocks and 1x128 activation "
-                             "groups every backend uses)")
-        if not (w2.dtype == FP8_DTYPE and w2.shape == (E_l, K, N)):
-            raise ValueError(f"w2 must be float8_e4m3fn [E_l, K, I] = {(E_l, K, N)}, got "
-                             f"{w2.dtype} {_shape(w2)}")
-        if not (w1.is_contiguous() and w2.is_contiguous()):
-            raise ValueError("w1 and w2 must be contiguous")
-        for name, s, want in (("w1_scale", w1_scale, (E_l, 2 * N // SCALE_BLOCK, K // SCALE_BLOCK)),
-                              ("w2_scale", w2_scale, (E_l, K // SCALE_BLOCK, N // SCALE_BLOCK))):
-            if not (s.dtype == torch.float32 and s.shape == want):
-                raise ValueError(f"{name} must be float32 {want} (128x128 blocks), got {s.dtype} "
-                                 f"{_shape(s)}")
-        if not (topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype in _ID_DTYPES):
-            raise ValueError(f"topk_ids must be int32 or int64 [M={M}, k], got {topk_ids.dtype} "
-                             f"{_shape(topk_ids)}")
-        topk = topk_ids.shape[1]
-        if topk < 1:
-            raise ValueError("topk_ids must have k >= 1 columns")
-        if not (topk_weights.dtype == torch.float32 and topk_weights.shape == (M, topk)):
-            raise ValueError(f"topk_weights must be float32 {(M, topk)}, got {topk_weights.dtype} "
-                             f"{_shape(topk_weights)}")
-        if not (isinstance(global_num_experts, int) and global_num_experts >= E_l):
-            raise ValueError(f"global_num_experts must be an int >= E_l={E_l}, got "
-                             f"{global_num_experts!r}")
-        device = x.device
-        if expert_map is None:
-            if global_num_experts != E_l:
-                raise ValueError(f"without expert_map every expert is local: "
-                                 f"global_num_experts={global_num_experts} must equal E_l={E_l}")
-            same_device = (w1.device == device and w2.device == device
-                           and topk_weights.device == device and topk_ids.device == device
-                           and w1_scale.device == device and w2_scale.device == device)
-        else:
-            if not (isinstance(expert_map, torch.Tensor) and expert_map.dtype == torch.int32
-                    and expert_map.shape == (global_num_experts,)):
-                raise ValueError(
-                    f"expert_map must be int32 [{global_num_experts}], got "
-                    f"{getattr(expert_map, 'dtype', type(expert_map))} "
-                    f"{_shape(expert_map) if isinstance(expert_map, torch.Tensor) else ''}")
-            same_device = False  # the set below decides
-        if apply_router_weight_on_input and topk != 1:
-            raise ValueError(f"apply_router_weight_on_input needs topk == 1, got topk={topk}")
-        if not same_device:
-            tensors = [x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale]
-            if expert_map is not None:
-                tensors.append(expert_map)
-            devices = {t.device for t in tensors}
-            if len(devices) != 1:
-                raise ValueError(f"all tensors must be on one device, got "
-                                 f"{sorted(map(str, devices))}")
-        if max_tokens_across_ranks is not None and not (
-                isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M):
-            raise ValueError(f"max_tokens_across_ranks must be None or an int >= M={M}, got "
-                             f"{max_tokens_across_ranks!r}")
-        if not x.is_cuda or envs.VLLM_MOE_CHECK_IDS:
-            check_routing_ranges(topk_ids, global_num_experts, expert_map, E_l)
+
+def _takes_output_is_reduced(prepare_finalize: PrepareAndFinalize) -> bool:
+    """Whether prepare_finalize.finalize accepts the keyword output_is_reduced (by name or
+    through **kwargs)."""
+    params = inspect.signature(prepare_finalize.finalize).parameters.values()
+    return any(p.name == "output_is_reduced" and p.kind != p.POSITIONAL_ONLY
+               or p.kind == p.VAR_KEYWORD for p in params)

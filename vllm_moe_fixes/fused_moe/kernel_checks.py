@@ -1,0 +1,142 @@
+"""The argument checks of `FusedMoEModularKernel.__call__`, one function per rule group.
+
+Each raises ValueError naming the argument, the value and the rule. They run on every layer
+call, so each rule is tested first and its message formatted only when it fails (formatting
+shapes and dtypes costs more host time than the tests themselves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moe_fixes import envs
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
+from vllm_moe_fixes.ops.permute import check_routing_ranges
+
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_layer_call(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
+                     expert_map, activation, apply_router_weight_on_input,
+                     max_tokens_across_ranks) -> None:
+    """Every rule of the layer's arguments (FusedMoEModularKernel.__call__ documents them), in
+    this order; ids and expert_map values only for CPU tensors or with VLLM_MOE_CHECK_IDS=1."""
+    check_tensors(hidden_states=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+                  w1_scale=w1_scale, w2_scale=w2_scale)
+    if activation != "silu":
+        raise ValueError(f"activation must be 'silu', got {activation!r}")
+    M, K = check_hidden_states(x)
+    local_num_experts, I = check_weights(w1, w2, K)
+    check_weight_scales(w1_scale, w2_scale, local_num_experts, I, K)
+    topk = check_topk(topk_weights, topk_ids, M)
+    check_expert_map(expert_map, global_num_experts, local_num_experts)
+    if apply_router_weight_on_input and topk != 1:
+        raise ValueError(f"apply_router_weight_on_input needs topk == 1, got topk={topk}")
+    check_one_device(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expert_map)
+    if max_tokens_across_ranks is not None and not (
+            isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M):
+        raise ValueError(f"max_tokens_across_ranks must be None or an int >= M={M}, got "
+                         f"{max_tokens_across_ranks!r}")
+    if not x.is_cuda or envs.VLLM_MOE_CHECK_IDS:
+        check_routing_ranges(topk_ids, global_num_experts, expert_map, local_num_experts)
+
+
+def check_tensors(**tensors) -> None:
+    """Each keyword argument is a torch.Tensor."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t)}")
+
+
+def check_hidden_states(x: torch.Tensor) -> tuple[int, int]:
+    """bfloat16 [M, K] with contiguous channels; returns (M, K)."""
+    if not (x.dim() == 2 and x.dtype == torch.bfloat16):
+        raise ValueError(f"hidden_states must be bfloat16 [M, K], got {x.dtype} {_shape(x)}")
+    M, K = x.shape
+    if x.stride(1) != 1 and K > 1:
+        raise ValueError(f"hidden_states must have contiguous channels (stride(1) == 1), "
+                         f"got strides {x.stride()}")
+    return M, K
+
+
+def check_weights(w1: torch.Tensor, w2: torch.Tensor, K: int) -> tuple[int, int]:
+    """w1 fp8 [E_l, 2I, K] and w2 fp8 [E_l, K, I], contiguous, K and I multiples of SCALE_BLOCK;
+    returns (local_num_experts, I)."""
+    if not (w1.dim() == 3 and w1.dtype == FP8_DTYPE):
+        raise ValueError(f"w1 must be float8_e4m3fn [E_l, 2I, K], got {w1.dtype} {_shape(w1)}")
+    local_num_experts, two_i, k_w1 = w1.shape
+    if not (local_num_experts > 0 and two_i > 0 and two_i % 2 == 0 and k_w1 == K):
+        raise ValueError(f"w1 must be [E_l, 2I, K={K}] with E_l > 0 and an even 2I > 0, got "
+                         f"{_shape(w1)}")
+    I = two_i // 2
+    if K % SCALE_BLOCK or I % SCALE_BLOCK:
+        raise ValueError(f"hidden size K={K} and intermediate size I={I} must be multiples of "
+                         f"{SCALE_BLOCK} (the {SCALE_BLOCK}x{SCALE_BLOCK} weight blocks and "
+                         f"1x{SCALE_BLOCK} activation groups every backend uses)")
+    if not (w2.dtype == FP8_DTYPE and w2.shape == (local_num_experts, K, I)):
+        raise ValueError(f"w2 must be float8_e4m3fn [E_l, K, I] = {(local_num_experts, K, I)}, "
+                         f"got {w2.dtype} {_shape(w2)}")
+    if not (w1.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("w1 and w2 must be contiguous")
+    return local_num_experts, I
+
+
+def check_weight_scales(w1_scale: torch.Tensor, w2_scale: torch.Tensor, local_num_experts: int,
+                        I: int, K: int) -> None:
+    """float32 [E_l, 2I/128, K/128] and [E_l, K/128, I/128]: one scale per weight block."""
+    blocks_k, blocks_i = K // SCALE_BLOCK, I // SCALE_BLOCK
+    for name, s, want in (("w1_scale", w1_scale, (local_num_experts, 2 * blocks_i, blocks_k)),
+                          ("w2_scale", w2_scale, (local_num_experts, blocks_k, blocks_i))):
+        if not (s.dtype == torch.float32 and s.shape == want):
+            raise ValueError(f"{name} must be float32 {want} ({SCALE_BLOCK}x{SCALE_BLOCK} "
+                             f"blocks), got {s.dtype} {_shape(s)}")
+
+
+def check_topk(topk_weights: torch.Tensor, topk_ids: torch.Tensor, M: int) -> int:
+    """topk_ids int32/int64 [M, k] with k >= 1, topk_weights float32 [M, k]; returns k."""
+    if not (topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype in _ID_DTYPES):
+        raise ValueError(f"topk_ids must be int32 or int64 [M={M}, k], got {topk_ids.dtype} "
+                         f"{_shape(topk_ids)}")
+    topk = topk_ids.shape[1]
+    if topk < 1:
+        raise ValueError("topk_ids must have k >= 1 columns")
+    if not (topk_weights.dtype == torch.float32 and topk_weights.shape == (M, topk)):
+        raise ValueError(f"topk_weights must be float32 {(M, topk)}, got {topk_weights.dtype} "
+                         f"{_shape(topk_weights)}")
+    return topk
+
+
+def check_expert_map(expert_map, global_num_experts, local_num_experts: int) -> None:
+    """global_num_experts an int >= E_l; expert_map int32 [global_num_experts], or None when
+    every expert is local (global_num_experts == E_l)."""
+    if not (isinstance(global_num_experts, int) and global_num_experts >= local_num_experts):
+        raise ValueError(f"global_num_experts must be an int >= E_l={local_num_experts}, got "
+                         f"{global_num_experts!r}")
+    if expert_map is None:
+        if global_num_experts != local_num_experts:
+            raise ValueError(f"without expert_map every expert is local: global_num_experts="
+                             f"{global_num_experts} must equal E_l={local_num_experts}")
+    elif not (isinstance(expert_map, torch.Tensor) and expert_map.dtype == torch.int32
+              and expert_map.shape == (global_num_experts,)):
+        raise ValueError(
+            f"expert_map must be int32 [{global_num_experts}], got "
+            f"{getattr(expert_map, 'dtype', type(expert_map))} "
+            f"{_shape(expert_map) if isinstance(expert_map, torch.Tensor) else ''}")
+
+
+def check_one_device(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expert_map) -> None:
+    """All tensors (expert_map too, when given) on x's device."""
+    device = x.device
+    if (w1.device == device and w2.device == device and topk_weights.device == device
+            and topk_ids.device == device and w1_scale.device == device
+            and w2_scale.device == device and (expert_map is None or expert_map.device == device)):
+        return
+    tensors = [x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale]
+    if expert_map is not None:
+        tensors.append(expert_map)
+    devices = {t.device for t in tensors}
+    raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")

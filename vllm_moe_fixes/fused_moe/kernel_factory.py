@@ -1,0 +1,154 @@
+"""One MoE layer's backend wired from the environment: buffer + prepare/finalize + experts.
+
+`make_moe_kernel` = `FusedMoEModularKernel(make_prepare_finalize(...), select_experts_for(...))`,
+split as vLLM splits it: the prepare/finalize follows the all-to-all backend, the experts follow
+the activation format that prepare/finalize produces and VLLM_USE_DEEP_GEMM.
+
+    ep_group  all-to-all (VLLM_ALL2ALL_BACKEND)  prepare/finalize, format  experts
+    None      none (the variable is not read)    NoEP..., standard         TritonExperts, or
+    a group   naive or deepep_high_throughput    DeepEPHT..., standard     DeepGemmExperts
+    a group   deepep_low_latency, or naive with  DeepEPLL..., batched      BatchedTritonExperts, or
+              low_latency=True                                             BatchedDeepGemmExperts
+    (the DeepGEMM class of each pair with VLLM_USE_DEEP_GEMM=1)
+
+With a group of R ranks, rank r holds the E_l = E / R experts [r*E_l, (r+1)*E_l) (DeepEP's
+placement): give the kernel those experts' weights and `local_expert_map(ep_group, E)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vllm_moe_fixes import envs
+from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes.distributed.buffers import make_all2all_buffer
+from vllm_moe_fixes.fused_moe.batched_experts import select_batched_experts
+from vllm_moe_fixes.fused_moe.contiguous_experts import select_experts
+from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
+    DeepEPHTPrepareAndFinalize,
+    DeepEPLLPrepareAndFinalize,
+)
+from vllm_moe_fixes.fused_moe.modular_kernel import (
+    ActivationFormat,
+    Experts,
+    FusedMoEModularKernel,
+    PrepareAndFinalize,
+)
+from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.fused_moe.workspaces import Workspaces
+
+
+def make_moe_kernel(ep_group: dist.ProcessGroup | None, *, hidden_size: int,
+                    intermediate_size: int, num_experts: int,
+                    max_tokens_per_rank: int | None = None, backend: str | None = None,
+                    low_latency: bool | None = None,
+                    workspaces: Workspaces | None = None) -> FusedMoEModularKernel:
+    """The modular kernel of one MoE layer with the backends the environment asks for.
+
+    Args:
+        ep_group: the expert-parallel process group (every rank of it calls this, in the same
+            order), or None: one rank, no all-to-all (NoEPPrepareAndFinalize).
+        hidden_size: K, an int >= 1 (a multiple of 128 for any backend to run the layer).
+        intermediate_size: I, an int >= 1 (w1 is [E_l, 2I, K], w2 is [E_l, K, I]).
+        num_experts: E, the global expert count, a multiple of the group's rank count R.
+        max_tokens_per_rank: N, the most tokens one rank passes to a dispatch (sizes the
+            low-latency buffer; longer calls run in chunks); None: VLLM_MOE_DP_CHUNK_SIZE.
+        backend: "naive", "deepep_high_throughput" or "deepep_low_latency"; None:
+            VLLM_ALL2ALL_BACKEND. Not read without a group.
+        low_latency: the low-latency (batched) dispatch; None: backend == "deepep_low_latency".
+            The naive backend serves both modes; each DeepEP backend only its own.
+        workspaces: a Workspaces shared with other layers' kernels; None: the kernel's own.
+
+    Returns a FusedMoEModularKernel (see `make_prepare_finalize` and `select_experts_for`).
+
+    Raises ValueError for bad arguments, a mode the backend does not serve or a configuration
+    DeepEP cannot serve (`make_all2all_buffer`); ImportError (a DeepEP backend without DeepEP) and
+    RuntimeError (VLLM_USE_DEEP_GEMM=1 without DeepGEMM) name the variable to change.
+    """
+    check_positive_int("intermediate_size", intermediate_size)
+    pf = make_prepare_finalize(ep_group, hidden_size=hidden_size, num_experts=num_experts,
+                               max_tokens_per_rank=max_tokens_per_rank, backend=backend,
+                               low_latency=low_latency)
+    experts = select_experts_for(pf, intermediate_size, hidden_size)
+    return FusedMoEModularKernel(pf, experts, workspaces)
+
+
+def make_prepare_finalize(ep_group: dist.ProcessGroup | None, *, hidden_size: int,
+                          num_experts: int, max_tokens_per_rank: int | None = None,
+                          backend: str | None = None,
+                          low_latency: bool | None = None) -> PrepareAndFinalize:
+    """The prepare/finalize of `make_moe_kernel` (same arguments): NoEPPrepareAndFinalize without
+    a group; else DeepEPHT- or DeepEPLLPrepareAndFinalize over `make_all2all_buffer`'s buffer for
+    (ep_group, backend, N, K, E), built once per group and sizes."""
+    check_positive_int("hidden_size", hidden_size)
+    check_positive_int("num_experts", num_experts)
+    if ep_group is None:
+        return NoEPPrepareAndFinalize()
+    num_ranks, rank = _group_size_and_rank(ep_group)
+    local_num_experts = check_experts_per_rank(num_experts, num_ranks)
+    if backend is None:
+        backend = envs.VLLM_ALL2ALL_BACKEND
+    low_latency = _check_mode(backend, low_latency)
+    if max_tokens_per_rank is None:
+        max_tokens_per_rank = envs.VLLM_MOE_DP_CHUNK_SIZE
+    buffer = make_all2all_buffer(backend, ep_group, max_tokens_per_rank=max_tokens_per_rank,
+                                 hidden=hidden_size, num_experts=num_experts)
+    if low_latency:
+        return DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=num_ranks,
+                                          max_tokens_per_rank=max_tokens_per_rank)
+    return DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=num_ranks,
+                                      rank_expert_offset=rank * local_num_experts)
+
+
+def select_experts_for(prepare_finalize: PrepareAndFinalize, intermediate_size: int,
+                       hidden_size: int) -> Experts:
+    """The experts of prepare_finalize's activation format that VLLM_USE_DEEP_GEMM selects:
+    `select_experts` (standard) or `select_batched_experts` (batched), which raise for bad sizes
+    and for DeepGEMM asked for but missing."""
+    if not isinstance(prepare_finalize, PrepareAndFinalize):
+        raise ValueError(f"prepare_finalize must be a PrepareAndFinalize, got "
+                         f"{type(prepare_finalize).__name__}")
+    if prepare_finalize.activation_format == ActivationFormat.BATCHED:
+        return select_batched_experts(intermediate_size, hidden_size)
+    return select_experts(intermediate_size, hidden_size)
+
+
+def local_expert_map(ep_group: dist.ProcessGroup | None, num_experts: int,
+                     device: torch.device | str | None = None) -> torch.Tensor | None:
+    """int32 [E]: global expert id -> id among this rank's E_l = E / R experts, -1 for the experts
+    of other ranks (rank r holds [r*E_l, (r+1)*E_l)); None without a group (every expert local).
+    """
+    check_positive_int("num_experts", num_experts)
+    if ep_group is None:
+        return None
+    num_ranks, rank = _group_size_and_rank(ep_group)
+    local_num_experts = check_experts_per_rank(num_experts, num_ranks)
+    expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
+    first = rank * local_num_experts
+    expert_map[first:first + local_num_experts] = torch.arange(
+        local_num_experts, dtype=torch.int32, device=device)
+    return expert_map
+
+
+def _group_size_and_rank(ep_group) -> tuple[int, int]:
+    if not (dist.is_initialized() and isinstance(ep_group, dist.ProcessGroup)):
+        raise ValueError(f"ep_group must be None or a torch.distributed ProcessGroup (with the "
+                         f"process group initialised), got {type(ep_group).__name__}")
+    return dist.get_world_size(ep_group), dist.get_rank(ep_group)
+
+
+def _check_mode(backend: str, low_latency: bool | None) -> bool:
+    """Whether the dispatch is low-latency; ValueError for a backend or a mode it lacks."""
+    if backend not in envs.ALL2ALL_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not known; allowed: "
+                         f"{', '.join(envs.ALL2ALL_BACKENDS)}")
+    if low_latency is None:
+        return backend == "deepep_low_latency"
+    if not isinstance(low_latency, bool):
+        raise ValueError(f"low_latency must be None or a bool, got {low_latency!r}")
+    if backend != "naive" and low_latency != (backend == "deepep_low_latency"):
+        mode = "low-latency" if backend == "deepep_low_latency" else "high-throughput"
+        raise ValueError(f"low_latency={low_latency} but backend {backend} serves only the "
+                         f"{mode} dispatch; the naive backend serves both")
+    return low_latency

@@ -1,0 +1,64 @@
+"""The experts' scratch memory: two grow-only buffers owned by the modular kernel, and the cache
+of the views an experts implementation builds on them.
+
+The kernel asks the experts for the shapes they need (`Experts.workspace_shapes`) and hands them
+views of the two buffers (`Workspaces.get`); the experts carve their own tensors out of those views
+once per shape (`views_cached_on`). A second call with the same or a smaller problem allocates
+nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class Workspaces:
+    """Two grow-only bf16 buffers (per device), shareable by the kernels of several layers.
+
+    `get` returns the same view objects for the same request (the latest _MAX_VIEWS requests are
+    remembered) until a buffer grows, so the experts may cache their own views on them.
+    """
+
+    _MAX_VIEWS = 64
+
+    def __init__(self) -> None:
+        self.ws13: torch.Tensor | None = None
+        self.ws2: torch.Tensor | None = None
+        self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _get(self, name: str, numel: int, device: torch.device, dtype: torch.dtype):
+        buf = getattr(self, name)
+        if buf is None or buf.numel() < numel or buf.device != device or buf.dtype != dtype:
+            self._views.clear()  # drop every view of the old buffer with it
+            setattr(self, name, None)  # free the old buffer before allocating the larger one
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            setattr(self, name, buf)
+        return buf
+
+    def get(self, ws13_shape, ws2_shape, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the requested shapes, growing a buffer when it is too small."""
+        key = (ws13_shape, ws2_shape, device, dtype)
+        views = self._views.get(key)
+        if views is not None:
+            return views
+        n13, n2 = math.prod(ws13_shape), math.prod(ws2_shape)
+        buf13 = self._get("ws13", n13, device, dtype)
+        buf2 = self._get("ws2", n2, device, dtype)
+        if len(self._views) >= self._MAX_VIEWS:
+            del self._views[next(iter(self._views))]  # the oldest request
+        views = self._views[key] = (buf13[:n13].view(ws13_shape), buf2[:n2].view(ws2_shape))
+        return views
+
+
+def views_cached_on(ws13: torch.Tensor, ws2: torch.Tensor, make, *sizes):
+    """``make(ws13, ws2, *sizes)``, cached in a dict attached to ws2 itself: the kernel hands the
+    same workspace view objects to every call of a shape until a buffer grows, so an experts'
+    views built on them live exactly as long as those (never past a workspace that grew)."""
+    cache = ws2.__dict__.setdefault("_views_of", {})
+    key = (make, ws13.data_ptr(), ws2.data_ptr(), *sizes)
+    views = cache.get(key)
+    if views is None:
+        views = cache[key] = make(ws13, ws2, *sizes)
+    return views
