@@ -139,18 +139,3 @@ def write_json(name, payload) -> Path:
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=2) + "\n")
     print(f"wrote {path}")
     return path
-
-
-def kernels_per_call(fn, calls: int = 3, *, copies: bool = True) -> tuple[float, list[str]]:
-    """(CUDA kernels per call of fn, their sorted names), from torch.profiler after a warm-up
-    call; copies=False leaves out memcpy and memset operations."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and (copies or not e.name.startswith(("Memcpy", "Memset")))]
-    return len(kernels) / calls, sorted({e.name for e in kernels})

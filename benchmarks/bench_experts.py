@@ -46,7 +46,6 @@ from benchmarks._common import (
     bench_us,
     graph_us,
     host_us,
-    kernels_per_call,
     print_table,
     write_json,
 )
@@ -55,7 +54,6 @@ from vllm_moe_fixes._memory import peak_memory
 from vllm_moe_fixes.fused_moe.batched_experts import (
     BatchedDeepGemmExperts,
     BatchedTritonExperts,
-    quant_batched_fp8,
 )
 from vllm_moe_fixes.fused_moe.contiguous_experts import (
     DeepGemmExperts,
@@ -64,13 +62,13 @@ from vllm_moe_fixes.fused_moe.contiguous_experts import (
 )
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
-from vllm_moe_fixes.fused_moe.routing import fused_topk, quant_block_fp8
+from vllm_moe_fixes.fused_moe.routing import fused_topk
 from vllm_moe_fixes.ops.activation import silu_and_mul
-from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, quant_batched_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 from vllm_moe_fixes.ops.permute import build_contiguous_layout_ref
-from vllm_moe_fixes.ops.reference import calc_diff
 from vllm_moe_fixes.sizes import expected_rows_per_expert, layer_declared_bytes
+from vllm_moe_fixes.testing import calc_diff, kernels_per_call, quant_block_fp8
 
 K, I, E_L, TOPK = 7168, 2048, 8, 8
 BATCHED_E, BATCHED_T = 32, 128

@@ -27,7 +27,7 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_triton,
     grouped_fp8_gemm_masked_triton,
 )
-from vllm_moe_fixes.ops.reference import calc_diff
+from vllm_moe_fixes.testing import calc_diff
 
 # (groups, rows per group, N, K) -> DeepGEMM v2.6.1's TFLOP/s on an H200 (its grouped contiguous
 # GEMM, same shapes).

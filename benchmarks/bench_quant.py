@@ -56,9 +56,9 @@ from vllm_moe_fixes.ops.fp8_quant import (
     QUANT_GROUPS_PER_PROG,
     QUANT_NUM_WARPS,
     per_token_group_quant_fp8,
+    per_token_group_quant_fp8_ref,
     per_token_group_quant_fp8_triton,
 )
-from vllm_moe_fixes.ops.reference import per_token_group_quant_fp8_ref
 from vllm_moe_fixes.ops.silu_mul_quant import (
     FUSED_BLOCK_M,
     FUSED_GROUPS_PER_PROG,

@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_moe_fixes.ops.activation import silu_and_mul, silu_and_mul_triton
-from vllm_moe_fixes.ops.reference import silu_and_mul_ref
+from vllm_moe_fixes.ops.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -4,7 +4,8 @@ import torch
 
 from benchmarks.bench_experts import anchor_layer
 from vllm_moe_fixes.fused_moe import FusedMoEModularKernel, NoEPPrepareAndFinalize, TritonExperts
-from vllm_moe_fixes.fused_moe.routing import fused_topk, quant_block_fp8
+from vllm_moe_fixes.fused_moe.routing import fused_topk
+from vllm_moe_fixes.testing import random_fp8_moe_weights
 
 
 def test_anchor_matches_the_layer_bit_for_bit_on_cpu():
@@ -12,8 +13,7 @@ def test_anchor_matches_the_layer_bit_for_bit_on_cpu():
     layer give the same bits: the benchmark's diff column measures only the GPU kernels."""
     g = torch.Generator().manual_seed(0)
     E, k, M, N, K = 8, 8, 40, 128, 256
-    w1, w1s = quant_block_fp8(torch.randn(E, 2 * N, K, generator=g) / K ** 0.5)
-    w2, w2s = quant_block_fp8(torch.randn(E, K, N, generator=g) / N ** 0.5)
+    w1, w1s, w2, w2s = random_fp8_moe_weights(E, K, N, generator=g)
     x = torch.randn(M, K, generator=g).bfloat16()
     weights, ids = fused_topk(torch.randn(M, E, generator=g), k, renormalize=True)
     kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())

@@ -24,8 +24,7 @@ from vllm_moe_fixes.distributed.deepep_sizing import (
 from vllm_moe_fixes.fused_moe import BatchedDeepGemmExperts, BatchedTritonExperts
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import DeepEPLLPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
-from vllm_moe_fixes.fused_moe.routing import moe_reference
-from vllm_moe_fixes.ops.reference import quant_block_fp8, rel_err
+from vllm_moe_fixes.testing import moe_reference, quant_block_fp8, rel_err
 
 # A hidden size DeepEP's LL kernels compile; MAX_TOKENS * ranks a multiple of 128, as
 # BatchedDeepGemmExperts requires (DeepGEMM's masked GEMM stores whole 128-row tiles).

@@ -19,7 +19,6 @@ from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
 from vllm_moe_fixes.fused_moe.batched_experts import (
     BatchedDeepGemmExperts,
     BatchedTritonExperts,
-    quant_batched_fp8,
 )
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
@@ -28,8 +27,8 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
 from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
-from vllm_moe_fixes.fused_moe.routing import moe_reference
-from vllm_moe_fixes.ops.reference import rel_err
+from vllm_moe_fixes.ops.fp8_quant import quant_batched_fp8
+from vllm_moe_fixes.testing import moe_reference, rel_err
 
 INTER = 128  # intermediate size I
 

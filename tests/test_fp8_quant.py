@@ -9,11 +9,11 @@ import torch
 import triton
 
 from vllm_moe_fixes.ops.fp8_quant import (
-    next_power_of_2,
     per_token_group_quant_fp8,
+    per_token_group_quant_fp8_ref,
     per_token_group_quant_fp8_triton,
 )
-from vllm_moe_fixes.ops.reference import per_token_group_quant_fp8_ref
+from vllm_moe_fixes.ops.triton_utils import next_power_of_2
 
 FP8 = torch.float8_e4m3fn
 

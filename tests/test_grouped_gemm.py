@@ -22,8 +22,8 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_masked_triton,
 )
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, empty_mn_major_scales
-from vllm_moe_fixes.ops.reference import calc_diff, quant_block_fp8
 from vllm_moe_fixes.sizes import ALIGNMENT
+from vllm_moe_fixes.testing import calc_diff, quant_block_fp8
 
 
 # ---------------------------------------------------------------- helpers written for the tests

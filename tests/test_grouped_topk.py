@@ -17,9 +17,8 @@ from vllm_moe_fixes.fused_moe.grouped_topk import (
 )
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
-from vllm_moe_fixes.fused_moe.routing import moe_reference, quant_block_fp8
-from vllm_moe_fixes.ops.reference import calc_diff, rel_err
 from vllm_moe_fixes.planner import SimulatedRouter
+from vllm_moe_fixes.testing import calc_diff, moe_reference, random_fp8_moe_weights, rel_err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,8 +290,7 @@ def test_planner_simulation_chooses_the_same_experts(cfg):
 def test_deepseek_shaped_layer_against_reference():
     M, K, I, E, G, TG, k, scale = 21, 256, 128, 32, 4, 2, 4, 2.5
     g = torch.Generator().manual_seed(11)
-    w1, w1s = quant_block_fp8(torch.randn(E, 2 * I, K, generator=g) / K ** 0.5)
-    w2, w2s = quant_block_fp8(torch.randn(E, K, I, generator=g) / I ** 0.5)
+    w1, w1s, w2, w2s = random_fp8_moe_weights(E, K, I, generator=g)
     x = torch.randn(M, K, generator=g).bfloat16()
     logits = torch.randn(M, E, generator=g).bfloat16()
     bias = torch.randn(E, generator=g) / 8

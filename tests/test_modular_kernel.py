@@ -11,14 +11,12 @@ import types
 import pytest
 import torch
 
-from benchmarks._common import kernels_per_call
 from vllm_moe_fixes._compat import deep_gemm as compat
 from vllm_moe_fixes.fused_moe import contiguous_experts as experts_mod
 from vllm_moe_fixes.fused_moe import experts_selection as selection_mod
 from vllm_moe_fixes.fused_moe.batched_experts import (
     BatchedDeepGemmExperts,
     BatchedTritonExperts,
-    quant_batched_fp8,
     select_batched_experts,
 )
 from vllm_moe_fixes.fused_moe.contiguous_experts import (
@@ -36,14 +34,13 @@ from vllm_moe_fixes.fused_moe.modular_kernel import (
     Workspaces,
 )
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
-from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
-from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.fused_moe.routing import fused_topk
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, quant_batched_fp8
 from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_ref,
     grouped_fp8_gemm_contiguous_triton,
     grouped_fp8_gemm_masked_ref,
 )
-from vllm_moe_fixes.ops.reference import calc_diff, rel_err
 from vllm_moe_fixes.sizes import (
     LAYOUT_INDEX_COLUMNS,
     batched_workspace_shapes,
@@ -51,6 +48,7 @@ from vllm_moe_fixes.sizes import (
     expected_rows_per_expert,
     layer_declared_bytes,
 )
+from vllm_moe_fixes.testing import calc_diff, kernels_per_call, moe_reference, quant_block_fp8, rel_err
 
 
 def make_problem(M, k, E, N, K, *, local=None, device="cpu", seed=0):

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from vllm_moe_fixes.ops.moe_sum import moe_sum, moe_sum_triton
-from vllm_moe_fixes.ops.reference import moe_sum_ref
+from vllm_moe_fixes.ops.moe_sum import moe_sum, moe_sum_ref, moe_sum_triton
 
 
 def _make_x(M, topk, K, dtype=torch.bfloat16, device="cpu", seed=0):

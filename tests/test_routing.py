@@ -1,31 +1,9 @@
-"""calc_diff, fused_topk, block FP8 weight (de)quantisation, and moe_reference against a per-token loop."""
+"""fused_topk: softmax top-k routing against torch's softmax and gather."""
 
 import pytest
 import torch
 
-from vllm_moe_fixes.fused_moe.routing import fused_topk, moe_reference, quant_block_fp8
-from vllm_moe_fixes.ops import reference
-from vllm_moe_fixes.ops.reference import calc_diff, dequant_block_fp8, rel_err
-
-
-def test_calc_diff():
-    x = torch.randn(64, 32)
-    assert calc_diff(x, x) == pytest.approx(0.0, abs=1e-12)
-    assert calc_diff(x, -x) == pytest.approx(2.0)
-    assert calc_diff(x, 2 * x) == pytest.approx(1 - 4 / 5)
-    assert calc_diff(torch.zeros(3), torch.zeros(3)) == 0.0
-    assert 0.8 < calc_diff(x, torch.randn(64, 32)) < 1.2
-
-
-def test_rel_err():
-    x = torch.randn(64, 32)
-    assert rel_err(x, x) == 0.0
-    assert rel_err(2 * x, x) == pytest.approx(1.0)
-    assert rel_err(x.bfloat16(), x) == pytest.approx(
-        float((x.bfloat16().double() - x.double()).norm() / x.double().norm()))
-    # An all-zero reference stays finite (clamped denominator): 0 for zeros, huge otherwise.
-    assert rel_err(torch.zeros(3), torch.zeros(3)) == 0.0
-    assert rel_err(torch.ones(3), torch.zeros(3)) == pytest.approx(3 ** 0.5 / 1e-12)
+from vllm_moe_fixes.fused_moe.routing import fused_topk
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -54,41 +32,3 @@ def test_fused_topk_errors():
         fused_topk(torch.randn(3, 4, 2), 1, False)
     with pytest.raises(ValueError, match="gating_output"):
         fused_topk(torch.ones(3, 4, dtype=torch.int64), 1, False)
-
-
-def test_block_quant_roundtrip():
-    assert quant_block_fp8 is reference.quant_block_fp8  # one recipe, re-exported by routing
-    w = torch.randn(2, 256, 384, generator=torch.Generator().manual_seed(1))
-    q, s = quant_block_fp8(w)
-    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2, 3)
-    d = dequant_block_fp8(q, s)
-    assert ((d - w).norm() / w.norm()) < 0.04
-    # Each 128x128 block uses its own scale: scaling one block scales only that block.
-    s2 = s.clone()
-    s2[1, 1, 2] *= 2
-    d2 = dequant_block_fp8(q, s2)
-    assert torch.equal(d2[1, 128:, 256:], 2 * d[1, 128:, 256:])
-    assert torch.equal(d2[0], d[0]) and torch.equal(d2[1, :128], d[1, :128])
-    with pytest.raises(ValueError, match="multiples of 128"):
-        quant_block_fp8(torch.randn(100, 128))
-
-
-def test_moe_reference_per_token_loop():
-    g = torch.Generator().manual_seed(2)
-    E, k, M, N, K = 4, 2, 5, 128, 128
-    w1, w1s = quant_block_fp8(torch.randn(E, 2 * N, K, generator=g) / K ** 0.5)
-    w2, w2s = quant_block_fp8(torch.randn(E, K, N, generator=g) / N ** 0.5)
-    x = torch.randn(M, K, generator=g).bfloat16()
-    weights, ids = fused_topk(torch.randn(M, E, generator=g), k, True)
-    emap = torch.tensor([1, -1, 0, -1], dtype=torch.int32)  # global 0 -> local 1, 2 -> 0
-    w1l, w1sl, w2l, w2sl = w1[[2, 0]], w1s[[2, 0]], w2[[2, 0]], w2s[[2, 0]]
-    got = moe_reference(x, w1l, w2l, weights, ids, w1_scale=w1sl, w2_scale=w2sl, expert_map=emap)
-    W1, W2 = dequant_block_fp8(w1, w1s), dequant_block_fp8(w2, w2s)
-    want = torch.zeros(M, K)
-    for m in range(M):
-        for j in range(k):
-            e = int(ids[m, j])
-            if e in (0, 2):
-                h = x[m].float() @ W1[e].t()
-                want[m] += weights[m, j] * ((torch.nn.functional.silu(h[:N]) * h[N:]) @ W2[e].t())
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -8,9 +8,9 @@ import torch
 from vllm_moe_fixes.ops.activation import silu_and_mul, silu_and_mul_triton
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, per_token_group_quant_fp8_triton
-from vllm_moe_fixes.ops.reference import silu_and_mul_quant_fp8_ref
 from vllm_moe_fixes.ops.silu_mul_quant import (
     silu_and_mul_quant_fp8,
+    silu_and_mul_quant_fp8_ref,
     silu_and_mul_quant_fp8_triton,
 )
 

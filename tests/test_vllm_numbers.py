@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_moe_fixes.fused_moe import FusedMoEModularKernel, NoEPPrepareAndFinalize, TritonExperts
-from vllm_moe_fixes.fused_moe.routing import fused_topk, quant_block_fp8
+from vllm_moe_fixes.fused_moe.routing import fused_topk
+from vllm_moe_fixes.testing import random_fp8_moe_weights
 
 VLLM_TOLERANCE = 0.035
 
@@ -58,8 +59,7 @@ def vllm_style_reference(x, w1, w1_s, w2, w2_s, topk_weights, topk_ids) -> torch
 def _case(M, K, N, E, k, device, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(M, K, generator=g) / 4).bfloat16().to(device)
-    w1, w1_s = quant_block_fp8(torch.randn(E, 2 * N, K, generator=g) / K ** 0.5)
-    w2, w2_s = quant_block_fp8(torch.randn(E, K, N, generator=g) / N ** 0.5)
+    w1, w1_s, w2, w2_s = random_fp8_moe_weights(E, K, N, generator=g)
     weights, ids = fused_topk(torch.randn(M, E, generator=g), k, renormalize=False)
     return [t.to(device) for t in (x, w1, w1_s, w2, w2_s, weights, ids)]
 

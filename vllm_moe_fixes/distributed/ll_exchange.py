@@ -29,8 +29,12 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, align_up
-from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2, round_to_bf16_grid
-from vllm_moe_fixes.ops.fp8_quant import round_to_e4m3_grid
+from vllm_moe_fixes.ops.triton_utils import (
+    INTERPRETING,
+    next_power_of_2,
+    round_to_bf16_grid,
+    round_to_e4m3_grid,
+)
 
 # DeepEP's low-latency cast floors amax at this margin, so an all-zero group gets a finite scale.
 LL_AMAX_FLOOR = 1e-4

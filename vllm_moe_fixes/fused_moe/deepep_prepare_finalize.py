@@ -28,14 +28,13 @@ import torch.distributed as dist
 
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed.collectives import run_collective
-from vllm_moe_fixes.fused_moe.batched_experts import quant_batched_fp8
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
     PrepareAndFinalize,
     PrepareResult,
 )
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
-from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, quant_batched_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 
 

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes._validate import check, check_positive_int
-from vllm_moe_fixes.ops.fp8_quant import next_power_of_2
+from vllm_moe_fixes.ops.triton_utils import next_power_of_2
 
 __all__ = ["grouped_topk", "grouped_topk_ref", "grouped_topk_triton"]
 

@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2, round_to_bf16_grid
-from vllm_moe_fixes.ops.reference import silu_and_mul_ref
+from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_bf16_grid
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -70,6 +69,13 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int = 1,
     _silu_and_mul_kernel[grid](x, out, M, N, x.stride(0), out.stride(0),
                                BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=INTERPRETING,
                                num_warps=num_warps)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2N] -> `F.silu(x[..., :N]) * x[..., N:]` as [..., N] in x's dtype (silu rounded to
+    x's dtype, then the product rounded again)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,6 +5,7 @@ weights per 128x128 block. DeepGEMM's SM90 kernels read activation scales MN-maj
 logical shape [..., rows, groups] the rows are contiguous (strides (1, rows_padded) in the last two
 dimensions), with rows_padded a multiple of 4 so that every group's column starts on a 16-byte
 boundary, as the tensor-memory accelerator requires. `empty_mn_major_scales` allocates that layout.
+A block-quantised weight stands for its values times its block's scale: `dequant_block_fp8`.
 """
 
 from __future__ import annotations
@@ -36,3 +37,12 @@ def empty_mn_major_scales(shape: tuple[int, ...], device: torch.device | str) ->
     storage = torch.empty((*batch, groups, tma_aligned_rows(rows)), dtype=torch.float32,
                           device=device)
     return storage[..., :rows].transpose(-1, -2)
+
+
+def dequant_block_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn [..., R, C] with float32 [..., cdiv(R,128), cdiv(C,128)] block scales
+    -> float32 [..., R, C] = w * its 128x128 block's scale."""
+    R, C = w.shape[-2:]
+    s = w_scale.float().repeat_interleave(SCALE_BLOCK, dim=-2)[..., :R, :]
+    s = s.repeat_interleave(SCALE_BLOCK, dim=-1)[..., :C]
+    return w.float() * s

@@ -7,30 +7,49 @@ max is a single `tl.max(axis=1)` and each program keeps many bytes in flight (th
 of the tile and group i % GROUPS_PER_PROG; groups past K / group_size are masked, so any number of
 groups works (7168 / 128 = 56 = 7 tiles of 8). All offsets are int64.
 
-The arithmetic is vLLM's recipe, written out once in reference.py; `quantize_groups` below performs
-the same float32 operations (IEEE divisions through `tl.math.div_rn`), so on a GPU the kernel
-matches `per_token_group_quant_fp8_ref` bit for bit. The fused SiLU-and-mul quant kernel
-(silu_mul_quant.py) calls the same `quantize_groups`.
+The arithmetic is vLLM's recipe (its CUDA per-token-group kernel), in float32. `quantize_groups`
+(the kernel's) and `per_token_group_quant_fp8_ref` (torch's, below) perform the same operations,
+so both give identical bits on any device; the fused SiLU-and-mul quant kernel (silu_mul_quant.py)
+calls the same `quantize_groups`:
+
+    amax  = max(float32(eps), max |x| over the group)   NaN elements take no part in the max
+    scale = amax / 448                                  IEEE division
+    use_ue8m0: scale = 2**ceil(log2(max(scale, float32(1e-10))))
+                                      exact, on the bits: (bits + 0x7FFFFF) & 0x7F800000
+    q     = min(max(x / scale, -448), 448)              IEEE division; max/min return the non-NaN
+                                                        operand, so a NaN quotient becomes -448
+    x_q   = q cast to float8_e4m3fn, round-to-nearest-even
+
+The ue8m0 bit formula is the one vLLM's register kernel (16-bit inputs, group 128) uses; its
+shared-memory kernel computes exp2f(ceilf(log2f(.))), which can differ only for a scale within an
+ulp or two above a power of two, which amax / 448 never is when amax is a 16-bit value.
+
+Divisions are tensor / tensor on purpose: torch on CUDA turns `t / 448.0` (a Python scalar) into a
+multiply by the reciprocal, which rounds differently at ties; tensor / tensor is IEEE division on
+both devices (`tl.math.div_rn` in Triton, whose plain fp32 `/` is approximate).
 
 Host cost matters as much as the kernel for small M (decode): the public op validates with plain
 attribute reads, allocates at most two tensors, reshapes only inputs that are not already 2-D and
 launches with a fixed config, so it adds a few microseconds of Python to Triton's own launch.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, empty_mn_major_scales, tma_aligned_rows
-from vllm_moe_fixes.ops.reference import UE8M0_SCALE_FLOOR, per_token_group_quant_fp8_ref
+from vllm_moe_fixes.ops.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    SCALE_BLOCK,
+    empty_mn_major_scales,
+    tma_aligned_rows,
+)
+from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_e4m3_grid
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
 
-# Triton chooses between compiling and interpreting when a kernel is decorated (at import), so the
-# launchers read the same decision once, here, instead of the environment on every call.
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# vLLM floors the ue8m0 scale at float32(1e-10) before rounding it up to a power of two (2**-33).
+UE8M0_SCALE_FLOOR = 1e-10
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _UE8M0_FLOOR = tl.constexpr(UE8M0_SCALE_FLOOR)
@@ -42,54 +61,14 @@ QUANT_BLOCK_M, QUANT_GROUPS_PER_PROG, QUANT_NUM_WARPS = 8, 8, 8
 QUANT_EPS = 1e-10  # default floor on a group's max |x| (vLLM's)
 
 
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= n (n >= 1). Plain Python on purpose: triton.next_power_of_2 and
-    triton.cdiv are ConstexprFunction objects in triton 3.6 and 3.9 and cost ~2 us per host call."""
-    return 1 << (n - 1).bit_length()
-
-
 # ---------------------------------------------------------------- device helpers
-
-@triton.jit
-def round_to_bf16_grid(v):
-    """Round float32 v to the nearest bfloat16 value (ties to even), still in float32.
-
-    Triton 3.9's interpreter truncates float32 -> bfloat16 casts (round toward zero); the GPU
-    rounds to nearest even. Kernels that store bfloat16 call this first under the interpreter
-    (a constexpr flag), so the cast that follows is exact. Integer-only: add half a bf16 ulp minus
-    one plus the kept lowest bit (round-to-nearest-even on the bit pattern), clear 16 bits.
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def round_to_e4m3_grid(v):
-    """Round float32 v (|v| <= 448) to the nearest float8_e4m3fn value, ties to even, in float32.
-
-    Works on the magnitude's bits and ORs the sign bit back at the end, so every result, -0.0
-    included, has v's sign on any backend (a negation `-t` may compile to `0.0 - t`, which turns
-    -0.0 into +0.0). Normals (|v| >= 2**-6) keep 3 of float32's 23 mantissa bits: add half an e4m3
-    ulp minus one plus the kept lowest bit (round-to-nearest-even on the bit pattern), then clear
-    the 20 dropped bits; a carry moves into the exponent as it should. Subnormals (|v| < 2**-6)
-    sit on a fixed 2**-9 grid: |v| + 1.5 * 2**14 has a float32 ulp of exactly 2**-9, so the IEEE
-    add rounds |v| to that grid (ties to even) and the subtraction is exact.
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    sign = bits & -2147483648  # 0x80000000
-    mag = bits & 0x7FFFFFFF
-    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576
-    a = mag.to(tl.float32, bitcast=True)
-    tiny = ((a + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
-    return (tl.where(a < 0.015625, tiny, normal) | sign).to(tl.float32, bitcast=True)
-
 
 @triton.jit
 def quantize_groups(x, eps, UE8M0: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """vLLM's per-group FP8 recipe on float32 x [G, GROUP] (one group per row).
 
     Returns (q float32 [G, GROUP]: values in [-448, 448] ready for the float8_e4m3fn cast, on the
-    e4m3 grid already when ROUND_IN_FP32; scale float32 [G]). The steps are reference.py's.
+    e4m3 grid already when ROUND_IN_FP32; scale float32 [G]). The steps are the recipe above.
     """
     # tl.max and tl.maximum return the non-NaN operand: NaN elements take no part in the max.
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
@@ -158,6 +137,38 @@ def per_token_group_quant_fp8_triton(
         GROUP=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog,
         UE8M0=use_ue8m0, ROUND_IN_FP32=round_in_fp32, num_warps=num_warps,
     )
+
+
+# ---------------------------------------------------------------- references
+
+def _full(like: torch.Tensor, value: float) -> torch.Tensor:
+    """A float32 0-d tensor on like's device (a tensor operand, never a Python scalar)."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def group_scales_ref(amax: torch.Tensor, eps: float, use_ue8m0: bool) -> torch.Tensor:
+    """float32 scales from float32 group maxima (any shape, NaN-free), by the recipe above."""
+    scale = torch.maximum(amax, _full(amax, eps)) / _full(amax, FP8_MAX)
+    if use_ue8m0:
+        scale = torch.maximum(scale, _full(scale, UE8M0_SCALE_FLOOR))
+        scale = ((scale.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+    return scale
+
+
+def per_token_group_quant_fp8_ref(
+    x: torch.Tensor, group_size: int, eps: float, use_ue8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise x [..., K] (bf16/fp16/fp32) per group of `group_size` channels (arguments already
+    validated), by the recipe above.
+
+    Returns (x_q float8_e4m3fn [..., K] contiguous, x_s float32 [..., K // group_size] row-major).
+    """
+    groups = x.float().unflatten(-1, (x.shape[-1] // group_size, group_size))
+    magnitudes = groups.abs().nan_to_num(nan=0.0, posinf=float("inf"))  # NaN ignored by the max
+    scale = group_scales_ref(magnitudes.amax(dim=-1), eps, use_ue8m0)
+    q = torch.fmax(groups / scale.unsqueeze(-1), _full(x, -FP8_MAX))  # fmax: NaN -> -448
+    q = torch.fmin(q, _full(x, FP8_MAX))
+    return q.to(FP8_DTYPE).flatten(-2), scale
 
 
 # ---------------------------------------------------------------- public op: check, allocate, run
@@ -236,7 +247,7 @@ def _scales_buffer(x, num_groups, out_s, column_major, tma_aligned) -> torch.Ten
 
 def per_token_group_quant_fp8(
     x: torch.Tensor,
-    group_size: int = 128,
+    group_size: int = SCALE_BLOCK,
     eps: float = QUANT_EPS,
     dtype: torch.dtype = FP8_DTYPE,
     column_major_scales: bool = False,
@@ -268,7 +279,7 @@ def per_token_group_quant_fp8(
         x_q: float8_e4m3fn `[..., K]`, q = clamp(x / scale, -448, 448) rounded to nearest even.
         x_s: float32 `[..., K / group_size]` row-major, or `[M, K / group_size]` column-major.
         scale = max(amax, eps) / 448 per group, both divisions IEEE-rounded (vLLM's CUDA kernel's
-        recipe; the exact float32 steps are in reference.py).
+        recipe; the exact float32 steps are in this module's docstring).
 
     NaN and inf (the same on the Triton and the torch path, and in vLLM's CUDA kernel): NaN
     elements take no part in a group's max and are written as -448 (code 0xFE); the other elements
@@ -294,3 +305,23 @@ def per_token_group_quant_fp8(
         x_q.copy_(q)
         x_s.copy_(s)
     return x_q, x_s
+
+
+def quant_batched_fp8(x: torch.Tensor, out_q: torch.Tensor | None = None,
+                      out_s: torch.Tensor | None = None):
+    """bf16 [E, T, K] -> (fp8 [E, T, K], float32 scales [E, T, K/128] with strides
+    (T*K/128, 1, T): MN-major per expert, DeepEP's low-latency layout). 1x128 groups, every row.
+
+    out_q: fp8 [E, T, K] contiguous, out_s: float32 [E, T, K/128] with those strides; each
+    allocated when None. The quant kernel takes 2-D scale strides over the E*T flattened rows, and
+    per-expert MN-major (row e*T + t, group g at e*T*G + g*T + t) is not of that form, so the
+    scales are written row-major first and copied (E*T*K/32 bytes).
+    """
+    e, t, k = x.shape
+    q, s = per_token_group_quant_fp8(x.reshape(e * t, k), SCALE_BLOCK,
+                                     out_q=None if out_q is None else out_q.view(e * t, k))
+    if out_s is None:
+        out_s = torch.empty(e, k // SCALE_BLOCK, t, dtype=torch.float32,
+                            device=x.device).transpose(1, 2)
+    out_s.copy_(s.view(e, t, k // SCALE_BLOCK))
+    return q.view(e, t, k), out_s

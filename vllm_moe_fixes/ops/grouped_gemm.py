@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
-from vllm_moe_fixes.ops.reference import dequant_block_fp8
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, dequant_block_fp8
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2, round_to_bf16_grid
-from vllm_moe_fixes.ops.reference import moe_sum_ref
+from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_bf16_grid
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -85,6 +84,22 @@ def moe_sum_triton(x: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tenso
         ROUND_BF16=INTERPRETING and out.dtype == torch.bfloat16, num_warps=num_warps,
         enable_fp_fusion=False,
     )
+
+
+def moe_sum_ref(x: torch.Tensor, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, topk, K] -> [M, K] in x's dtype: the topk slices (each times its float32 weight
+    topk_weights[:, t] when given; a zero weight gives exactly 0) summed in float32 in index
+    order."""
+    def term(t):
+        v = x[:, t].float()
+        if topk_weights is None:
+            return v
+        w = topk_weights[:, t, None].float()
+        return torch.where(w != 0, v * w, torch.zeros_like(v))
+    acc = term(0)
+    for t in range(1, x.shape[1]):
+        acc = acc + term(t)
+    return acc.to(x.dtype)
 
 
 def moe_sum(x: torch.Tensor, out: torch.Tensor | None = None,

@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes._validate import check as _check
-from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, next_power_of_2, round_to_bf16_grid
-from vllm_moe_fixes.ops.reference import moe_sum_ref
+from vllm_moe_fixes.ops.moe_sum import moe_sum_ref
+from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_bf16_grid
 from vllm_moe_fixes.sizes import ALIGNMENT, contiguous_num_rows
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_moe_fixes.ops.activation import silu_and_mul_values
+from vllm_moe_fixes.ops.activation import silu_and_mul_ref, silu_and_mul_values
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
-from vllm_moe_fixes.ops.fp8_quant import INTERPRETING, QUANT_EPS, quantize_groups
-from vllm_moe_fixes.ops.reference import silu_and_mul_quant_fp8_ref
+from vllm_moe_fixes.ops.fp8_quant import QUANT_EPS, per_token_group_quant_fp8_ref, quantize_groups
+from vllm_moe_fixes.ops.triton_utils import INTERPRETING
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
 _GROUP = tl.constexpr(SCALE_BLOCK)
@@ -102,6 +102,14 @@ def silu_and_mul_quant_fp8_triton(
         GROUPS_PER_PROG=groups_per_prog, UE8M0=use_ue8m0, INTERPRETED=INTERPRETING,
         num_warps=num_warps,
     )
+
+
+def silu_and_mul_quant_fp8_ref(
+    x: torch.Tensor, use_ue8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 2N] (N a multiple of 128) -> the FP8 quant (group 128, eps QUANT_EPS) of
+    silu_and_mul_ref(x): (float8_e4m3fn [..., N], float32 [..., N / 128] row-major)."""
+    return per_token_group_quant_fp8_ref(silu_and_mul_ref(x), SCALE_BLOCK, QUANT_EPS, use_ue8m0)
 
 
 def _silu_and_mul_quant_fp8_torch(x, x_q, x_s, expert_num_tokens, use_ue8m0) -> None:

@@ -1,0 +1,141 @@
+"""What tests, benchmarks and users of the layer share: random block-FP8 layer weights, the
+float32 reference of a whole MoE layer, the accuracy metrics it is judged by, and a kernel count.
+
+    w1, w1_scale, w2, w2_scale = random_fp8_moe_weights(num_experts, K, I, generator=g)
+    out = kernel(x, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale, w2_scale=w2_scale)
+    ref = moe_reference(x, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale, w2_scale=w2_scale)
+    calc_diff(out, ref)  # small (FP8 activations) when the layer is right
+
+Weights are quantised per 128x128 block (DeepGEMM's per-block recipe); `dequant_block_fp8` in
+ops/fp8.py is its inverse.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, dequant_block_fp8
+
+__all__ = ["Fp8MoEWeights", "calc_diff", "kernels_per_call", "moe_reference", "quant_block_fp8",
+           "random_fp8_moe_weights", "rel_err"]
+
+
+# ------------------------------------------------------------------------- weights
+
+def quant_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., R, C] (R, C multiples of 128) -> (float8_e4m3fn [..., R, C], float32
+    [..., R/128, C/128]) with 128x128 block scales amax/448 (DeepGEMM's per-block recipe; amax
+    floored at 1e-4). For making test and benchmark weights."""
+    R, C = w.shape[-2:]
+    if R % SCALE_BLOCK or C % SCALE_BLOCK:
+        raise ValueError(f"w's last two dimensions must be multiples of {SCALE_BLOCK}, got "
+                         f"{(R, C)}")
+    blocks = w.float().unflatten(-1, (C // SCALE_BLOCK, SCALE_BLOCK))
+    blocks = blocks.unflatten(-3, (R // SCALE_BLOCK, SCALE_BLOCK))
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-4)
+    q = (blocks * (FP8_MAX / amax)).to(FP8_DTYPE).flatten(-2).flatten(-3, -2)
+    return q, (amax / FP8_MAX).squeeze(-1).squeeze(-2)
+
+
+class Fp8MoEWeights(NamedTuple):
+    """One layer's block-FP8 expert weights (E experts, hidden size K, intermediate size I)."""
+    w1: torch.Tensor        # float8_e4m3fn [E, 2I, K]: gate rows, then up rows
+    w1_scale: torch.Tensor  # float32 [E, 2I/128, K/128]
+    w2: torch.Tensor        # float8_e4m3fn [E, K, I]
+    w2_scale: torch.Tensor  # float32 [E, K/128, I/128]
+
+
+def random_fp8_moe_weights(num_experts: int, hidden_size: int, intermediate_size: int, *,
+                           generator: torch.Generator | None = None,
+                           device: torch.device | str | None = None) -> Fp8MoEWeights:
+    """Random expert weights, block-quantised: w1 = randn / sqrt(K), w2 = randn / sqrt(I), drawn
+    in that order from `generator` (on `device`, CPU when None), so that activations keep their
+    size through the layer.
+
+    Arguments:
+        num_experts: E; hidden_size: K; intermediate_size: I (K and I multiples of 128).
+        generator: the random source (torch's default one when None).
+        device: where the weights are drawn and stay.
+
+    Returns:
+        Fp8MoEWeights (w1, w1_scale, w2, w2_scale), shapes as the class documents.
+    """
+    E, K, I = num_experts, hidden_size, intermediate_size
+    w1 = torch.randn(E, 2 * I, K, generator=generator, device=device) / K ** 0.5
+    w1, w1_scale = quant_block_fp8(w1)
+    w2 = torch.randn(E, K, I, generator=generator, device=device) / I ** 0.5
+    w2, w2_scale = quant_block_fp8(w2)
+    return Fp8MoEWeights(w1, w1_scale, w2, w2_scale)
+
+
+# ------------------------------------------------------------------------- the layer's reference
+
+def moe_reference(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, w1_scale: torch.Tensor,
+                  w2_scale: torch.Tensor, expert_map: torch.Tensor | None = None,
+                  apply_router_weight_on_input: bool = False) -> torch.Tensor:
+    """float32 reference of one MoE layer: no activation quantisation, plain loops over experts.
+
+    Args: as FusedMoEModularKernel.__call__ (hidden_states [M, K] any float dtype; w1 fp8
+    [E_l, 2I, K], w2 fp8 [E_l, K, I] with 128x128 block scales; topk_* [M, k]; expert_map int32
+    [E] global -> local or -1, or None).
+
+    Returns float32 [M, K] = sum_j w[:, j] * (silu(x Wg^T) * (x Wu^T)) W2^T of expert ids[:, j],
+    a slot whose expert is not local contributing zero.
+    """
+    x = hidden_states.float()
+    M, K = x.shape
+    local_num_experts, two_i, _ = w1.shape
+    I = two_i // 2
+    out = torch.zeros(M, K, dtype=torch.float32, device=x.device)
+    ids = topk_ids.to(torch.int64)
+    weights = topk_weights.float()
+    if apply_router_weight_on_input:
+        x = x * weights  # k == 1
+        weights = torch.ones_like(weights)
+    local_ids = ids if expert_map is None else \
+        torch.where(ids >= 0, expert_map.to(torch.int64)[ids.clamp(min=0)], -1)
+    for e in range(local_num_experts):
+        token, slot = (local_ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        w1_e = dequant_block_fp8(w1[e], w1_scale[e])
+        w2_e = dequant_block_fp8(w2[e], w2_scale[e])
+        h = x[token] @ w1_e.t()
+        y = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ w2_e.t()
+        out.index_add_(0, token, y * weights[token, slot].unsqueeze(1))
+    return out
+
+
+# ------------------------------------------------------------------------- metrics
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's similarity measure 1 - 2<x, y> / (<x, x> + <y, y>) in float64: 0 when x == y,
+    ~1 for unrelated data (two all-zero tensors count as equal)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+
+
+def rel_err(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-12) -> float:
+    """Relative L2 error ||x - y|| / max(||y||, eps) in float64 (y is the reference; the clamp
+    keeps an all-zero reference finite: then the error is ||x|| / eps, 0 when x is zero too)."""
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm().clamp(min=eps))
+
+
+def kernels_per_call(fn, calls: int = 3, *, copies: bool = True) -> tuple[float, list[str]]:
+    """(CUDA kernels per call of fn, their sorted names), from torch.profiler after a warm-up
+    call; copies=False leaves out memcpy and memset operations."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and (copies or not e.name.startswith(("Memcpy", "Memset")))]
+    return len(kernels) / calls, sorted({e.name for e in kernels})
