@@ -34,12 +34,28 @@ libraries() {
     python3 -c "import deep_ep, deep_gemm; print('deep_ep and deep_gemm', deep_gemm.__version__, 'import')"
 }
 
+# Fails (status 1) when the libraries did not build or import, or when no GPU test passed (all
+# skipped: a machine without a visible GPU, say), after running the tests either way for the log.
 stage_tests() {
+    local built=0 tested=0
     nvidia-smi -L
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    libraries 2>&1 | tee "$OUT/build.log" | tail -n 8
+    libraries 2>&1 | tee "$OUT/build.log" | tail -n 8 || built=$?
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m "gpu or multi_gpu or deep_ep or deep_gemm" \
-        -rs -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+        -rs -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40 || tested=$?
+    if (( built != 0 )); then
+        echo "device_run.sh tests: FAILED: the DeepEP / DeepGEMM build failed" \
+            "(status $built, $OUT/build.log)" >&2
+        return 1
+    fi
+    if (( tested != 0 )); then
+        return "$tested"
+    fi
+    if ! tail -n 1 "$OUT/gpu_tests.log" | grep -Eq "(^|[^0-9])[0-9]+ passed"; then
+        echo "device_run.sh tests: FAILED: no GPU test ran (every test skipped or none" \
+            "selected, $OUT/gpu_tests.log)" >&2
+        return 1
+    fi
 }
 
 stage_bench() {
