@@ -1,0 +1,128 @@
+"""Expert-parallel prepare/finalize over DeepEP V2's ``ElasticBuffer`` (or TorchElasticBuffer).
+
+V2 has one dispatch for prefill and decode (DeepEP main at dd758caf, ``deep_ep/buffers/
+elastic.py``). Of its two receive layouts this uses the per-token one (``do_expand=False``),
+which is our STANDARD format as it stands: each token once per destination rank, its k ids
+local to that rank (-1 elsewhere). The contiguous experts (``TritonExperts``,
+``DeepGemmExperts``) then build the 128-aligned expert-contiguous layout on the device as they
+do for one rank, and reduce each token's slots with its weights:
+
+    a1 [M, K] bf16 --quant--> (fp8 [M, K], f32 [M, K/128])
+        --dispatch--> (fp8 [M', K], f32 [M', K/128] row-major), local ids [M', k], weights
+        ids -> global (+ rank_expert_offset) where >= 0 and the row is valid, else -1
+        weights -> 0 where the id is -1 (V2 leaves them undefined there)
+    experts -> [M', K] reduced, or [M', k, K] --weighted moe_sum--> [M', K]
+        --combine (unweighted sum over ranks)--> output [M, K]
+
+V2's other layout, ``do_expand=True`` (its "new GEMM layout": one row per (token, local expert)
+already grouped by expert with each expert's rows padded to ``expert_alignment``, 1-D weights),
+is what our experts' layout and permute steps produce from the per-token rows; it moves each
+token once per local expert instead of once per rank, and is not used here.
+
+Host synchronisation: ``do_cpu_sync=True`` (V2's default) waits for the receive counts and gives
+exactly M' rows. ``do_cpu_sync=False`` reads nothing on the host: M' = R*N rows, of which the
+first ``psum_num_recv_tokens_per_scaleup_rank[-1]`` are valid; the rows past them get id -1
+here (a comparison on the device), so the experts skip them and write zeros there, which
+combine does not read. With DeepEP V2 that path can be captured in a CUDA graph (given
+max_tokens_across_ranks, see ``num_chunks``); TorchElasticBuffer still reads the counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
+    _DeepEPPrepareAndFinalize,
+    _weighted_input,
+)
+from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, PrepareResult
+from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.ops.moe_sum import moe_sum
+
+
+class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
+    """DeepEP V2 ``ElasticBuffer`` dispatch/combine; STANDARD activation format.
+
+    Arguments:
+        buffer: a ``deep_ep.ElasticBuffer`` or ``TorchElasticBuffer`` over the expert-parallel
+            group, holding the layouts of (max_tokens_per_rank, K, k) with FP8 dispatch.
+        num_dispatchers: ranks in that group (R).
+        rank_expert_offset: global id of this rank's first expert (rank * E_l): added to the
+            received local ids so the experts see global ids (with the caller's expert_map).
+        max_tokens_per_rank: N, most tokens a rank dispatches per pass, the same on every rank
+            (longer calls run in chunks of N); None: the buffer's ``num_max_tokens_per_rank``.
+        do_cpu_sync: wait for the exact receive size (True) or take R*N rows without a host
+            read (False).
+    """
+
+    activation_format = ActivationFormat.STANDARD
+    _needs = ("dispatch", "combine", "get_buffer_size_hint")
+
+    def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int,
+                 max_tokens_per_rank: int | None = None, do_cpu_sync: bool = True) -> None:
+        super().__init__(buffer, num_dispatchers)
+        if isinstance(rank_expert_offset, bool) or not isinstance(rank_expert_offset, int) \
+                or rank_expert_offset < 0:
+            raise ValueError(f"rank_expert_offset={rank_expert_offset!r} must be an int >= 0")
+        if max_tokens_per_rank is None:
+            max_tokens_per_rank = getattr(buffer, "num_max_tokens_per_rank", 0)
+        check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
+        if not isinstance(do_cpu_sync, bool):
+            raise ValueError(f"do_cpu_sync={do_cpu_sync!r} must be a bool")
+        self.rank_expert_offset = rank_expert_offset
+        self.max_tokens_per_rank_ = max_tokens_per_rank
+        self.do_cpu_sync = do_cpu_sync
+        self.num_recv_tokens_per_expert: list[int] | None = None  # of the last prepare
+
+    def max_num_tokens_per_rank(self) -> int:
+        return self.max_tokens_per_rank_
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input) -> PrepareResult:
+        """a1 bf16 [M, K] (M <= max_tokens_per_rank, may be 0), topk_weights f32 [M, k],
+        topk_ids int32/int64 [M, k] global ids.
+
+        Returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the rows received,
+        topk_ids int64 [M', k] GLOBAL ids of experts on this rank (-1 elsewhere and on rows past
+        the valid ones) and topk_weights f32 [M', k] (0 at -1). With do_cpu_sync the aligned
+        per-local-expert counts are kept in ``num_recv_tokens_per_expert`` (else []).
+        expert_map is not used: V2 places expert g on rank g // E_l.
+        """
+        n = self.max_tokens_per_rank_
+        if a1.shape[0] > n:
+            raise ValueError(f"{a1.shape[0]} tokens exceed max_tokens_per_rank={n}")
+        check_experts_per_rank(num_experts, self._num_dispatchers)
+        a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input)
+        a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
+        ids = topk_ids.to(torch.int64).contiguous()  # V2 takes deep_ep.topk_idx_t (int64)
+        (recv_q, recv_s), recv_ids, recv_w, handle, _ = self.buffer.dispatch(
+            (a1q, a1s), topk_idx=ids, topk_weights=topk_weights.float().contiguous(),
+            num_experts=num_experts, num_max_tokens_per_rank=n, do_cpu_sync=self.do_cpu_sync)
+        self._pending = handle
+        self.num_recv_tokens_per_expert = handle.num_recv_tokens_per_expert_list
+        here = recv_ids >= 0
+        if not self.do_cpu_sync:  # rows past the received total hold whatever was there
+            total = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
+            rows = torch.arange(recv_ids.shape[0], device=recv_ids.device)
+            here &= (rows < total).unsqueeze(1)
+        global_ids = torch.where(here, recv_ids + self.rank_expert_offset, -1)
+        weights = torch.where(here, recv_w, 0.0)
+        return PrepareResult(a1q=recv_q, a1q_scale=recv_s, topk_ids=global_ids,
+                             topk_weights=weights)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input, *, output_is_reduced: bool = False) -> None:
+        """Combine the experts' output back to the source ranks into output [M, K].
+
+        fused_expert_output: [M', K] already weighted and summed (output_is_reduced), combined as
+        it is; or [M', k, K], first summed over k with the received weights (none when the
+        weights went on the input). Slots with id -1 hold exact zeros (the standard experts'
+        contract), so rows past the valid ones are zeros."""
+        handle = self._take_pending()
+        weights = None if apply_router_weight_on_input else topk_weights
+        reduced = fused_expert_output if output_is_reduced else moe_sum(
+            fused_expert_output, topk_weights=weights)
+        combined, _, _ = self.buffer.combine(reduced, handle)
+        output.copy_(combined)
