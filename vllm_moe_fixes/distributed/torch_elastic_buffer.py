@@ -32,7 +32,9 @@ Differences from DeepEP, by design:
     do_cpu_sync=False, which only changes the shapes: this buffer is not CUDA-graph capturable.
     Rows past the valid prefix hold poison (NaN data and weights, ids 2**40), as uninitialised
     memory would.
-  * ``do_expand`` (V2's expert-contiguous "expanded" layout) and ``deterministic`` are refused.
+  * ``do_expand`` (V2's expert-contiguous "expanded" layout) is refused; V2's other
+    constructor options (deterministic sorting, CPU bytes, QPs, timeouts) and its Engram, PP and
+    AGRS calls are not offered.
 """
 
 from __future__ import annotations

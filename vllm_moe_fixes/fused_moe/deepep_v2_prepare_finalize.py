@@ -14,10 +14,14 @@ do for one rank, and reduce each token's slots with its weights:
     experts -> [M', K] reduced, or [M', k, K] --weighted moe_sum--> [M', K]
         --combine (unweighted sum over ranks)--> output [M, K]
 
-V2's other layout, ``do_expand=True`` (its "new GEMM layout": one row per (token, local expert)
-already grouped by expert with each expert's rows padded to ``expert_alignment``, 1-D weights),
-is what our experts' layout and permute steps produce from the per-token rows; it moves each
-token once per local expert instead of once per rank, and is not used here.
+V2's other layout, ``do_expand=True`` (its "new GEMM layout": one row per (token, local expert),
+grouped by expert, each expert's rows padded to ``expert_alignment``, 1-D weights, optionally
+TMA-aligned column-major scales), is what our experts' layout and permute steps build from the
+per-token rows. The links carry the same bytes either way (the expansion happens in V2's copy
+epilogue on the receiving rank), and V2's combine does not apply weights in either layout. To
+take it, the experts would need a variant without the layout and permute steps (expert ids per
+row from ``psum_num_recv_tokens_per_expert``) that scales each output row by its weight before
+combine; that variant does not exist yet, so this prepare/finalize asks for the per-token rows.
 
 Host synchronisation: ``do_cpu_sync=True`` (V2's default) waits for the receive counts and gives
 exactly M' rows. ``do_cpu_sync=False`` reads nothing on the host: M' = R*N rows, of which the
