@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -236,21 +237,36 @@ def test_demo_two_gpus_nccl(extra, capsys):
     assert "2 GPU(s), NCCL" in out and "PASS" in out
 
 
-def test_bench_without_gpu_or_plots(tmp_path, capsys):
+def _bench_package(tmp_path, with_plots=True):
+    """A benchmarks package with an empty results folder and, with_plots, the checkout's
+    plots module."""
+    package = tmp_path / "benchpkg"
+    (package / "results").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    if with_plots:
+        shutil.copy(os.path.join(REPO, "benchmarks", "plots.py"), package)
+    return package
+
+
+def test_bench_without_gpu_or_plots(tmp_path, capfd):
     import torch
-    (tmp_path / "results").mkdir()
+    package = _bench_package(tmp_path)
     if not torch.cuda.is_available():
-        assert main(["bench", "--dir", str(tmp_path)]) == 2
-        assert "needs a CUDA GPU" in capsys.readouterr().err
-    (tmp_path / "results" / "bench_x.json").write_text(json.dumps(
+        assert main(["bench", "--dir", str(package)]) == 2
+        assert "needs a CUDA GPU" in capfd.readouterr().err
+    (package / "results" / "bench_x.json").write_text(json.dumps(
         {"rows": [{"M": 256, "K": 7168, "GB/s": 100.0, "copy_GB/s": 200.0},
                   {"M": 4096, "K": 7168, "GB/s": 1000.0, "copy_GB/s": 2000.0}]}))
-    assert main(["bench", "--plot-only", "--dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    assert main(["bench", "--plot-only", "--dir", str(package)]) == 0
+    out = capfd.readouterr().out
+    assert "bench_x.json: GB/s, copy_GB/s in GB/s (shape MxK) at 256x7168, 4096x7168" in out
     if importlib.util.find_spec("matplotlib") is None:
         assert "matplotlib is not installed" in out
     else:
-        assert (tmp_path / "results" / "bench_x.png").is_file()
+        assert (package / "results" / "bench_x.png").is_file()
+    (package / "plots.py").unlink()
+    assert main(["bench", "--plot-only", "--dir", str(package)]) == 0
+    assert "no plots.py in" in capfd.readouterr().out
 
 
 def _fake_gpus(monkeypatch, count):
@@ -278,7 +294,7 @@ with open(os.path.join(os.path.dirname(__file__), "ran.json"), "w") as f:
                                               ("all2all", 2, ["--world-size", "2"])])
 def test_bench_runs_the_module_from_the_package_parent(area, gpus, argv, tmp_path, monkeypatch):
     _fake_gpus(monkeypatch, gpus)
-    monkeypatch.setattr(cli, "_plot", lambda results_dir: [])
+    monkeypatch.setattr(cli, "_plot", lambda bench_dir: True)
     package = tmp_path / "benchpkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -296,21 +312,30 @@ def test_bench_areas_are_the_repo_benchmark_modules():
 
 def test_bench_missing_script_is_a_failure(tmp_path, monkeypatch, capsys):
     _fake_gpus(monkeypatch, 1)
-    monkeypatch.setattr(cli, "_plot", lambda results_dir: [])
+    monkeypatch.setattr(cli, "_plot", lambda bench_dir: True)
     assert main(["bench", "--dir", str(tmp_path)]) == 1  # no script at all
     out = capsys.readouterr().out
     assert "bench_quant.py not found" in out and "FAILED" in out and "failed: quant" in out
 
 
-def test_series_extraction():
-    labels, series, unit = cli._series({"results": [
-        {"groups": 4, "rows": 8192, "N": 4096, "K": 7168, "triton_tflops": 900.0,
-         "deepgemm_tflops": None}]})
-    assert labels == ["4x8192x4096x7168"] and unit.startswith("TFLOP/s")
-    assert series["triton_tflops"] == [900.0]
-    assert cli._series({"rows": []}) is None
-    labels, series, unit = cli._series({"results": {"ht_dispatch_fp8": {"us": 256.0, "GBps": 236.0}}})
-    assert labels == ["ht_dispatch_fp8"] and series == {"GBps": [236.0]} and unit.startswith("GB/s")
+def test_plots_pick_the_series_of_each_results_file(tmp_path, capfd):
+    """The checkout's plots module, run by bench --plot-only: the throughput columns of each
+    JSON against its shape keys; files without rows, and sweeps, give no plot."""
+    results = _bench_package(tmp_path) / "results"
+    for name, payload in [
+            ("gemm", {"results": [{"groups": 4, "rows": 8192, "N": 4096, "K": 7168,
+                                   "triton_tflops": 900.0, "deepgemm_tflops": None}]}),
+            ("empty", {"rows": []}),
+            ("all2all", {"results": {"ht_dispatch_fp8": {"us": 256.0, "GBps": 236.0}}}),
+            ("gemm_sweep", {"results": [{"M": 1, "tflops": 1.0}]})]:
+        (results / f"{name}.json").write_text(json.dumps(payload))
+    assert main(["bench", "--plot-only", "--dir", str(results.parent)]) == 0
+    out = capfd.readouterr().out
+    assert ("gemm.json: triton_tflops, deepgemm_tflops in TFLOP/s (shape groupsxrowsxNxK) at "
+            "4x8192x4096x7168") in out
+    assert "empty.json: nothing to plot" in out
+    assert "all2all.json: GBps in GB/s (shape op) at ht_dispatch_fp8" in out
+    assert "gemm_sweep" not in out
 
 
 def test_readme_lists_the_plan_model_fields_and_its_example_is_the_preset(tmp_path, capsys):

@@ -20,35 +20,35 @@ def _ids(seed, rows, k, num_experts, device="cpu"):
     return ids.to(device)
 
 
-def _route_loop(ids, rank, e_local):
+def _route_loop(ids, rank, local_num_experts):
     """Positions numbered pair by pair in (row, slot) order, per local expert."""
     served = torch.zeros(ids.shape, dtype=torch.bool)
     pos = torch.zeros(ids.shape, dtype=torch.int64)
-    count = [0] * e_local
+    count = [0] * local_num_experts
     for p in range(ids.shape[0]):
         for j in range(ids.shape[1]):
-            e = int(ids[p, j]) - rank * e_local
-            if 0 <= e < e_local:
+            e = int(ids[p, j]) - rank * local_num_experts
+            if 0 <= e < local_num_experts:
                 served[p, j], pos[p, j] = True, count[e]
                 count[e] += 1
     return served, pos, count
 
 
-@pytest.mark.parametrize("rank, e_local", [(0, 3), (1, 4), (2, 1)])
-def test_route_matches_loop(rank, e_local):
-    ids = _ids(rank, 7, 3, 3 * e_local)
-    served, local, pos, recv_row, count = ll.route(ids, rank, e_local)
-    want_served, want_pos, want_count = _route_loop(ids, rank, e_local)
+@pytest.mark.parametrize("rank, local_num_experts", [(0, 3), (1, 4), (2, 1)])
+def test_route_matches_loop(rank, local_num_experts):
+    ids = _ids(rank, 7, 3, 3 * local_num_experts)
+    served, local, pos, recv_row, count = ll.route(ids, rank, local_num_experts)
+    want_served, want_pos, want_count = _route_loop(ids, rank, local_num_experts)
     assert torch.equal(served, want_served)
     assert torch.equal(pos, want_pos)
-    assert torch.equal(local, torch.where(served, ids - rank * e_local, 0))
+    assert torch.equal(local, torch.where(served, ids - rank * local_num_experts, 0))
     assert torch.equal(recv_row, local * ids.shape[0] + pos)
     assert count.dtype == torch.int32 and count.tolist() == want_count
 
 
-@pytest.mark.parametrize("rows, k, e_local, num_experts, rank", [
+@pytest.mark.parametrize("rows, k, local_num_experts, num_experts, rank", [
     (7, 3, 3, 9, 1), (1, 1, 1, 2, 0), (40, 8, 5, 20, 3), (300, 6, 32, 64, 1), (3, 2, 4, 8, 0)])
-def test_route_triton_matches_ref(kernel_device, rows, k, e_local, num_experts, rank):
+def test_route_triton_matches_ref(kernel_device, rows, k, local_num_experts, num_experts, rank):
     ids = _ids(rows * k, rows, k, num_experts, kernel_device)
     slab = torch.full((rows, k + 3), 99, dtype=torch.int64, device=kernel_device)
     slab[:, :k] = ids
@@ -58,11 +58,11 @@ def test_route_triton_matches_ref(kernel_device, rows, k, e_local, num_experts, 
         dev = kernel_device
         return (torch.ones(rows, k, dtype=torch.bool, device=dev),
                 *(torch.full((rows, k), -7, dtype=torch.int64, device=dev) for _ in range(3)),
-                torch.full((e_local,), -7, dtype=torch.int32, device=dev))
+                torch.full((local_num_experts,), -7, dtype=torch.int32, device=dev))
 
     got, want = outputs(), outputs()
-    ll.route_triton(ids, rank, e_local, *got)
-    ll.route_ref(ids, rank, e_local, *want)
+    ll.route_triton(ids, rank, local_num_experts, *got)
+    ll.route_ref(ids, rank, local_num_experts, *want)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert int(want[-1].sum()) == int(want[0].sum())
@@ -79,26 +79,26 @@ def test_route_drops_overflowing_duplicates(kernel_device):
         assert out[0].sum() == 2 and out[-1].tolist() == [2] and sorted(out[2][out[0]].tolist()) == [0, 1]
 
 
-def _routing(seed, rows, k, e_local, device):
-    served, local, pos, _, _ = ll.route(_ids(seed, rows, k, 2 * e_local, device), 1, e_local)
+def _routing(seed, rows, k, local_num_experts, device):
+    served, local, pos, _, _ = ll.route(_ids(seed, rows, k, 2 * local_num_experts, device), 1, local_num_experts)
     return served, local, pos
 
 
-@pytest.mark.parametrize("rows, k, e_local, width, dtype", [
+@pytest.mark.parametrize("rows, k, local_num_experts, width, dtype", [
     (6, 3, 4, 40, torch.uint8),      # awkward width, bytes
     (5, 2, 2, 5, torch.float32),     # scales: column-major destination
     (1, 1, 1, 7, torch.uint8),       # one row
     (4, 2, 3, 1100, torch.uint8),    # wider than one column block
 ])
-def test_scatter_rows_triton_matches_ref(kernel_device, rows, k, e_local, width, dtype):
-    served, local, pos = _routing(rows + width, rows, k, e_local, kernel_device)
+def test_scatter_rows_triton_matches_ref(kernel_device, rows, k, local_num_experts, width, dtype):
+    served, local, pos = _routing(rows + width, rows, k, local_num_experts, kernel_device)
     g = torch.Generator().manual_seed(width)
     wide = torch.randint(0, 255, (rows, width + 3), generator=g).to(dtype).to(kernel_device)
     src = wide[:, 1:width + 1]  # a strided view, as the slab's fields are
     if dtype == torch.float32:
-        make = lambda: torch.full((e_local, width, rows), float("nan"), device=kernel_device).transpose(1, 2)
+        make = lambda: torch.full((local_num_experts, width, rows), float("nan"), device=kernel_device).transpose(1, 2)
     else:
-        make = lambda: torch.full((e_local, rows, width), 0xAB, dtype=dtype, device=kernel_device)
+        make = lambda: torch.full((local_num_experts, rows, width), 0xAB, dtype=dtype, device=kernel_device)
     got, want = make(), make()
     ll.scatter_rows_triton(src, got, served, local, pos)
     ll.scatter_rows_ref(src, want, served, local, pos)
@@ -107,15 +107,15 @@ def test_scatter_rows_triton_matches_ref(kernel_device, rows, k, e_local, width,
     assert served.any() or rows == 1  # the cases route something here
 
 
-@pytest.mark.parametrize("rows, k, e_local, width, width2", [(6, 3, 4, 1100, 9), (3, 2, 2, 40, 56)])
-def test_scatter_rows_two_planes_one_launch(kernel_device, rows, k, e_local, width, width2):
+@pytest.mark.parametrize("rows, k, local_num_experts, width, width2", [(6, 3, 4, 1100, 9), (3, 2, 2, 40, 56)])
+def test_scatter_rows_two_planes_one_launch(kernel_device, rows, k, local_num_experts, width, width2):
     """Data bytes and column-major float32 scales in one launch, as the dispatch sends them."""
-    served, local, pos = _routing(rows * width2, rows, k, e_local, kernel_device)
+    served, local, pos = _routing(rows * width2, rows, k, local_num_experts, kernel_device)
     g = torch.Generator().manual_seed(width2)
     src = torch.randint(0, 255, (rows, width), generator=g, dtype=torch.uint8).to(kernel_device)
     src2 = torch.randn(rows, width2 + 2, generator=g).to(kernel_device)[:, 1:width2 + 1]
-    make = lambda: torch.full((e_local, rows, width), 0xAB, dtype=torch.uint8, device=kernel_device)
-    make2 = lambda: torch.full((e_local, width2, rows), float("nan"), device=kernel_device).transpose(1, 2)
+    make = lambda: torch.full((local_num_experts, rows, width), 0xAB, dtype=torch.uint8, device=kernel_device)
+    make2 = lambda: torch.full((local_num_experts, width2, rows), float("nan"), device=kernel_device).transpose(1, 2)
     (got, got2), (want, want2) = (make(), make2()), (make(), make2())
     ll.scatter_rows_triton(src, got, served, local, pos, src2, got2)
     ll.scatter_rows_ref(src, want, served, local, pos, src2, want2)
@@ -133,12 +133,12 @@ def test_scatter_rows_nothing_served(kernel_device):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, k, e_local, hidden", [(6, 3, 4, 256), (1, 1, 1, 128), (5, 4, 2, 2176)])
-def test_partial_sums_triton_matches_ref(kernel_device, rows, k, e_local, hidden, out_dtype):
-    served, local, pos = _routing(rows * k + hidden, rows, k, e_local, kernel_device)
+@pytest.mark.parametrize("rows, k, local_num_experts, hidden", [(6, 3, 4, 256), (1, 1, 1, 128), (5, 4, 2, 2176)])
+def test_partial_sums_triton_matches_ref(kernel_device, rows, k, local_num_experts, hidden, out_dtype):
+    served, local, pos = _routing(rows * k + hidden, rows, k, local_num_experts, kernel_device)
     recv_row = torch.where(served, local * rows + pos, 0)
     g = torch.Generator().manual_seed(hidden)
-    x = torch.randn(e_local * rows, hidden, generator=g).to(torch.bfloat16).to(kernel_device)
+    x = torch.randn(local_num_experts * rows, hidden, generator=g).to(torch.bfloat16).to(kernel_device)
     x[recv_row[~served]] = float("nan")  # rows only unserved slots point at: never read
     w = torch.rand(rows, k, generator=g).to(kernel_device)
     w[~served] = float("nan")
@@ -215,14 +215,14 @@ def test_pack_and_slab_fields_round_trip():
 # ---------------------------------------------------------------- 64-bit offsets (GPU)
 @pytest.mark.gpu
 def test_scatter_rows_past_2_31_elements():
-    rows, width, e_local = 2**19 + 64, 2048, 2
-    assert e_local * rows * width > INT64_ROWS
+    rows, width, local_num_experts = 2**19 + 64, 2048, 2
+    assert local_num_experts * rows * width > INT64_ROWS
     src = torch.randint(0, 255, (rows, width), dtype=torch.uint8, device="cuda")
     served = torch.zeros(rows, 1, dtype=torch.bool, device="cuda")
     served[-5:] = True  # the last source rows go to the last rows of the last expert
-    local = torch.full((rows, 1), e_local - 1, dtype=torch.int64, device="cuda")
+    local = torch.full((rows, 1), local_num_experts - 1, dtype=torch.int64, device="cuda")
     pos = torch.arange(rows, device="cuda").view(rows, 1)
-    dst = torch.zeros(e_local, rows, width, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(local_num_experts, rows, width, dtype=torch.uint8, device="cuda")
     ll.scatter_rows_triton(src, dst, served, local, pos)
     assert torch.equal(dst[-1, -5:], src[-5:])
     assert not dst[-1, :-5].any() and not dst[0].any()

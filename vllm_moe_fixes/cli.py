@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 from vllm_moe_fixes import envs
+from vllm_moe_fixes.sizes import SCALE_BLOCK
 
 DEMO_TOLERANCE = 4e-3
 # bench area -> module of the benchmarks package, run as ``python -m benchmarks.<module>``.
@@ -36,11 +37,8 @@ BENCH_AREAS = {"quant": "bench_quant", "moe_sum": "bench_moe_sum",
                "grouped_topk": "bench_grouped_topk", "all2all": "bench_all2all"}
 # Exit status after the output's reader went away: 128 + SIGPIPE, as a shell reports it.
 EXIT_BROKEN_PIPE = 141
-
-
-# Series whose name holds one of these are anchors (copy ceiling, torch, DeepGEMM, published
-# figures): drawn dashed beside our kernels' solid lines.
-ANCHOR_WORDS = ("copy", "torch", "deepgemm", "figure", "scaled_mm", "bf16", "vllm", "deepep")
+# The bench directory's module that draws the results (``python -m <package>.plots DIR``).
+PLOTS_MODULE = "plots"
 
 
 class UsageError(Exception):
@@ -143,7 +141,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                   + (")" if torch.cuda.is_available() else "; torch reference on CPU)"))
         elif has_gemm:
             print("  experts: DeepGemmExperts / BatchedDeepGemmExperts (TritonExperts for shapes "
-                  "whose N or K is not a multiple of 128)")
+                  f"whose I or K is not a multiple of {SCALE_BLOCK})")
         else:
             print("  experts: none: VLLM_USE_DEEP_GEMM=1 but DeepGEMM is not importable")
             problems.append("VLLM_USE_DEEP_GEMM=1 but DeepGEMM is not importable: build it from "
@@ -337,9 +335,10 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
     except ValueError as e:
         raise UsageError(str(e)) from None
     # The argument types have checked each number's range; these are the rules between them.
-    checks = [(args.hidden % 128 == 0, f"--hidden must be a multiple of 128, got {args.hidden}"),
-              (args.intermediate % 128 == 0,
-               f"--intermediate must be a multiple of 128, got {args.intermediate}"),
+    checks = [(args.hidden % SCALE_BLOCK == 0,
+               f"--hidden must be a multiple of {SCALE_BLOCK}, got {args.hidden}"),
+              (args.intermediate % SCALE_BLOCK == 0,
+               f"--intermediate must be a multiple of {SCALE_BLOCK}, got {args.intermediate}"),
               (args.experts % args.world_size == 0,
                f"--experts ({args.experts}) must be a multiple of --world-size "
                f"({args.world_size})"),
@@ -433,64 +432,15 @@ def _progress(done: int, total: int, label: str) -> None:
     print(f"[{'#' * fill}{'-' * (width - fill)}] {done}/{total} {label}", flush=True)
 
 
-def _series(payload: dict) -> tuple[list[str], dict[str, list[float]], str] | None:
-    """(x labels, {series: values}, y unit) from a results JSON whose "rows" or "results" is a
-    list of dicts, or a dict of dicts keyed by operation."""
-    rows = payload.get("rows") or payload.get("results")
-    if isinstance(rows, dict):
-        rows = [{"op": name, **row} for name, row in rows.items() if isinstance(row, dict)]
-    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
-        return None
-    for unit, keys in (("GB/s", ("gb/s", "gbps")), ("TFLOP/s", ("tflop",))):
-        names = [k for k in rows[0] if any(s in k.lower() for s in keys)]
-        if names:
-            break
-    else:
-        return None
-    shape_keys = [k for k in ("backend", "op", "groups", "rows", "M", "tokens", "topk", "N", "K")
-                  if isinstance(rows[0].get(k), (int, str))]
-    labels = ["x".join(str(r.get(k)) for k in shape_keys) or str(i) for i, r in enumerate(rows)]
-    series = {k: [r.get(k) if isinstance(r.get(k), (int, float)) else float("nan") for r in rows]
-              for k in names}
-    return labels, series, f"{unit} (shape {'x'.join(shape_keys)})"
-
-
-def _plot(results_dir: Path) -> list[Path]:
-    """One PNG per results JSON (sweeps skipped) beside it: every GB/s or TFLOP/s column of its
-    rows against the shape, anchors dashed. Returns the files written."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    for path in sorted(results_dir.glob("*.json")):
-        if path.stem.endswith("_sweep"):
-            continue
-        try:
-            parsed = _series(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            parsed = None
-        if parsed is None:
-            print(f"  {path.name}: nothing to plot")
-            continue
-        labels, series, ylabel = parsed
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for name, values in series.items():
-            anchor = any(word in name.lower() for word in ANCHOR_WORDS)
-            ax.plot(range(len(labels)), values, marker="o", label=name,
-                    linestyle="--" if anchor else "-")
-        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
-        ax.set_ylabel(ylabel)
-        ax.set_title(path.stem)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        out = path.with_suffix(".png")
-        fig.savefig(out, dpi=120)
-        plt.close(fig)
-        written.append(out)
-        print(f"  wrote {out}")
-    return written
+def _plot(bench_dir: Path) -> bool:
+    """Run the bench directory's plots module on its results (one PNG per JSON, where matplotlib
+    is installed); returns whether it succeeded."""
+    if not (bench_dir / f"{PLOTS_MODULE}.py").is_file():
+        print(f"  no {PLOTS_MODULE}.py in {bench_dir}: no plots")
+        return True
+    command = [sys.executable, "-m", f"{bench_dir.name}.{PLOTS_MODULE}",
+               str(bench_dir / "results")]
+    return subprocess.run(command, cwd=bench_dir.parent, check=False).returncode == 0
 
 
 def _bench_command(area: str, package: str, num_gpus: int) -> list[str]:
@@ -534,13 +484,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 failed.append(area)
                 print("    " + "\n    ".join(log.read_text().splitlines()[-10:]))
         _progress(len(areas), len(areas), "done")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib, or "
-              "pip install 'vllm-moe-fixes[plot]')")
-    else:
-        _plot(bench_dir / "results")
+    sys.stdout.flush()  # the plots module writes to the same stdout
+    if not _plot(bench_dir):
+        failed.append("plots")
     if failed:
         print(f"failed: {', '.join(failed)}")
     return 1 if failed else 0
@@ -574,11 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="one MoE layer through the modular kernel, checked")
     d.add_argument("--world-size", type=int_at_least(1), default=1, help="EP ranks (processes)")
     d.add_argument("--tokens", type=int_at_least(1), default=64, help="tokens per rank")
-    d.add_argument("--hidden", type=int_at_least(128), default=1024,
-                   help="K, a multiple of 128 (with --low-latency, one of DeepEP's low-latency "
-                   f"hidden sizes: {', '.join(map(str, LL_SUPPORTED_HIDDEN))})")
-    d.add_argument("--intermediate", type=int_at_least(128), default=256,
-                   help="I, a multiple of 128")
+    d.add_argument("--hidden", type=int_at_least(SCALE_BLOCK), default=1024,
+                   help=f"K, a multiple of {SCALE_BLOCK} (with --low-latency, one of DeepEP's "
+                   f"low-latency hidden sizes: {', '.join(map(str, LL_SUPPORTED_HIDDEN))})")
+    d.add_argument("--intermediate", type=int_at_least(SCALE_BLOCK), default=256,
+                   help=f"I, a multiple of {SCALE_BLOCK}")
     d.add_argument("--experts", type=int_at_least(1), default=16, help="E (global)")
     d.add_argument("--topk", type=int_at_least(1), default=4, help="k")
     d.add_argument("--model", default=None, help="route as this preset (or JSON model file) "

@@ -47,7 +47,7 @@ ROW_ALIGN = 16
 
 
 def _cdiv(a: int, b: int) -> int:
-    """Plain-Python ceil division for launch grids (triton.cdiv costs microseconds per host call)."""
+    """Ceil division for launch grids in plain Python (triton.cdiv costs microseconds a call)."""
     return -(-a // b)
 
 
@@ -163,23 +163,23 @@ class LLWorkspace:
     """The tensors of one low-latency dispatch + combine at fixed sizes, allocated once and
     rewritten by every call that uses them (no allocation per call), with their views.
 
-    Arguments: n (N, tokens per rank), num_ranks (R), k (top-k), h (hidden), e_local (experts
-    per rank), use_fp8, device. Attributes (P = R*N):
+    Arguments: n (N, tokens per rank), num_ranks (R), k (top-k), h (hidden), local_num_experts
+    (experts per rank), use_fp8, device. Attributes (P = R*N):
         slab: uint8 [N, row], this rank's message; send_fields: its ``slab_fields``.
         gathered: uint8 [P, row], every rank's message (the slab itself when R == 1);
             recv_fields: its ``slab_fields``.
         served (bool), local, pos, recv_row (int64): [P, k], ``route``'s outputs;
-            recv_count: int32 [E_local].
-        recv: [E_local, P, H] float8_e4m3fn (fp8) or bf16; recv_bytes: its uint8 view;
-            recv_scales: float32 [E_local, P, H/128] column-major in the last two dims (fp8
+            recv_count: int32 [E_l].
+        recv: [E_l, P, H] float8_e4m3fn (fp8) or bf16; recv_bytes: its uint8 view;
+            recv_scales: float32 [E_l, P, H/128] column-major in the last two dims (fp8
             only, else None).
         weights: float32 [N, k], gathered_weights: float32 [P, k], partial and back:
             float32 [P, H] (all None when R == 1: nothing is exchanged, the combine sums into
             its output).
     """
 
-    def __init__(self, n: int, num_ranks: int, k: int, h: int, e_local: int, use_fp8: bool,
-                 device: torch.device) -> None:
+    def __init__(self, n: int, num_ranks: int, k: int, h: int, local_num_experts: int,
+                 use_fp8: bool, device: torch.device) -> None:
         rows, row = num_ranks * n, row_layout(k, h, use_fp8)[2]
         self.slab = torch.empty(n, row, dtype=torch.uint8, device=device)
         self.send_fields = slab_fields(self.slab, k, h, use_fp8)
@@ -190,11 +190,12 @@ class LLWorkspace:
         self.served = torch.empty(rows, k, dtype=torch.bool, device=device)
         self.local, self.pos, self.recv_row = (
             torch.empty(rows, k, dtype=torch.int64, device=device) for _ in range(3))
-        self.recv_count = torch.empty(e_local, dtype=torch.int32, device=device)
-        self.recv = torch.empty(e_local, rows, h, dtype=FP8_DTYPE if use_fp8 else torch.bfloat16,
-                                device=device)
+        self.recv_count = torch.empty(local_num_experts, dtype=torch.int32, device=device)
+        self.recv = torch.empty(local_num_experts, rows, h,
+                                dtype=FP8_DTYPE if use_fp8 else torch.bfloat16, device=device)
         self.recv_bytes = self.recv.view(torch.uint8)
-        self.recv_scales = torch.empty(e_local, h // SCALE_BLOCK, rows, dtype=torch.float32,
+        self.recv_scales = torch.empty(local_num_experts, h // SCALE_BLOCK, rows,
+                                       dtype=torch.float32,
                                        device=device).transpose(1, 2) if use_fp8 else None
         self.weights = None if alone else torch.empty(n, k, dtype=torch.float32, device=device)
         self.gathered_weights = None if alone else torch.empty(rows, k, dtype=torch.float32,
@@ -206,8 +207,8 @@ class LLWorkspace:
 # ----------------------------------------------------------------- routing
 @triton.jit
 def _route_kernel(ids_ptr, served_ptr, local_ptr, pos_ptr, row_ptr, count_ptr, num_pairs,
-                  ids_stride_row, first_expert, e_local, rows_per_expert, TOPK: tl.constexpr,
-                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+                  ids_stride_row, first_expert, local_num_experts, rows_per_expert,
+                  TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     # One program walks the pairs in order, BLOCK_P at a time, carrying each expert's count.
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
@@ -217,7 +218,7 @@ def _route_kernel(ids_ptr, served_ptr, local_ptr, pos_ptr, row_ptr, count_ptr, n
         ids = tl.load(ids_ptr + (pairs // TOPK) * ids_stride_row + pairs % TOPK, mask=in_range,
                       other=-1)
         local = ids - first_expert
-        served = in_range & (local >= 0) & (local < e_local)
+        served = in_range & (local >= 0) & (local < local_num_experts)
         hits = (local[:, None] == e[None, :]) & served[:, None]
         running = tl.cumsum(hits.to(tl.int32), axis=0) + counts[None, :]
         pos = (tl.sum(tl.where(hits, running, 0), axis=1) - 1).to(tl.int64)
@@ -229,31 +230,33 @@ def _route_kernel(ids_ptr, served_ptr, local_ptr, pos_ptr, row_ptr, count_ptr, n
         tl.store(pos_ptr + pairs, pos, mask=in_range)
         tl.store(row_ptr + pairs, local * rows_per_expert + pos, mask=in_range)
         counts += tl.sum(hits.to(tl.int32), axis=0)
-    tl.store(count_ptr + e, tl.minimum(counts, rows_per_expert), mask=e < e_local)
+    tl.store(count_ptr + e, tl.minimum(counts, rows_per_expert), mask=e < local_num_experts)
 
 
-def route_triton(ids: torch.Tensor, rank: int, e_local: int, served: torch.Tensor,
+def route_triton(ids: torch.Tensor, rank: int, local_num_experts: int, served: torch.Tensor,
                  local: torch.Tensor, pos: torch.Tensor, recv_row: torch.Tensor,
                  recv_count: torch.Tensor) -> None:
     """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1): ids int64
     [R*N, k] with unit column stride; the outputs as ``route`` returns them, contiguous."""
     rows, topk = ids.shape
-    block_e = next_power_of_2(e_local)
+    block_e = next_power_of_2(local_num_experts)
     block_p = max(16, 4096 // block_e)
     _route_kernel[(1,)](ids, served.view(torch.uint8), local, pos, recv_row, recv_count,
-                        rows * topk, ids.stride(0), rank * e_local, e_local, rows, TOPK=topk,
-                        BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+                        rows * topk, ids.stride(0), rank * local_num_experts, local_num_experts,
+                        rows, TOPK=topk, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
 
 
-def route_ref(ids: torch.Tensor, rank: int, e_local: int, served: torch.Tensor, local: torch.Tensor,
-              pos: torch.Tensor, recv_row: torch.Tensor, recv_count: torch.Tensor) -> None:
+def route_ref(ids: torch.Tensor, rank: int, local_num_experts: int, served: torch.Tensor,
+              local: torch.Tensor, pos: torch.Tensor, recv_row: torch.Tensor,
+              recv_count: torch.Tensor) -> None:
     """torch reference of ``route_triton`` (same arguments, same results)."""
     rows = ids.shape[0]
-    first = ids - rank * e_local
-    here = (first >= 0) & (first < e_local)
-    expert = first.clamp(0, e_local - 1)
-    hits = (expert.view(-1, 1) == torch.arange(e_local, device=ids.device)) & here.view(-1, 1)
-    running = hits.cumsum(0, dtype=torch.int32)                            # [R*N*k, E_local]
+    first = ids - rank * local_num_experts
+    here = (first >= 0) & (first < local_num_experts)
+    expert = first.clamp(0, local_num_experts - 1)
+    experts = torch.arange(local_num_experts, device=ids.device)
+    hits = (expert.view(-1, 1) == experts) & here.view(-1, 1)
+    running = hits.cumsum(0, dtype=torch.int32)                            # [R*N*k, E_l]
     rank_in_expert = running.gather(1, expert.view(-1, 1)).view(ids.shape).long() - 1
     served.copy_(here & (rank_in_expert < rows))
     local.copy_(torch.where(served, expert, 0))
@@ -262,22 +265,22 @@ def route_ref(ids: torch.Tensor, rank: int, e_local: int, served: torch.Tensor, 
     recv_count.copy_(running[-1].clamp(max=rows))
 
 
-def route(ids: torch.Tensor, rank: int, e_local: int, out: tuple | None = None):
+def route(ids: torch.Tensor, rank: int, local_num_experts: int, out: tuple | None = None):
     """Where each received (source, token, slot) pair goes, from the gathered ids [R*N, k].
 
     Returns, each [R*N, k] and contiguous: served (bool: the pair's expert lives on ``rank``),
     local (int64: its local expert), pos (int64: its row in that expert's [R*N] slice; pairs are
     numbered in (source, token, slot) order), recv_row (int64: local * R*N + pos), all 0 where not
-    served; and recv_count (int32 [E_local], rows per local expert). ``out``: those five tensors,
+    served; and recv_count (int32 [E_l], rows per local expert). ``out``: those five tensors,
     written and returned (None: allocated). No host sync on CUDA (one Triton program), the torch
     reference on the CPU."""
     if out is None:
         dev = ids.device
         out = (torch.empty(ids.shape, dtype=torch.bool, device=dev),
                *(torch.empty(ids.shape, dtype=torch.int64, device=dev) for _ in range(3)),
-               torch.empty(e_local, dtype=torch.int32, device=dev))
+               torch.empty(local_num_experts, dtype=torch.int32, device=dev))
     launch = route_triton if ids.is_cuda else route_ref
-    launch(ids, rank, e_local, *out)
+    launch(ids, rank, local_num_experts, *out)
     return out
 
 

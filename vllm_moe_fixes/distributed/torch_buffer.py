@@ -8,7 +8,7 @@ float8).
 
 High-throughput (normal) mode sends each token once to every rank holding one of its experts, in
 variable-size messages: ``dispatch`` reads the counts to the host once (DeepEP's does too: the
-receive size is a host-side tensor shape), in one ``all_to_all_single`` of a [R, 1 + E_local]
+receive size is a host-side tensor shape), in one ``all_to_all_single`` of a [R, 1 + E_l]
 count matrix, then moves every per-row tensor of the call (x, its scales, top-k ids and weights)
 packed into one byte row, in one ``all_to_all_single``. ``combine`` does not synchronise.
 
@@ -24,7 +24,7 @@ graph can capture it (the device-side steps live in ``ll_exchange``):
         all_gather -> [R, N, row]: every rank sees every rank's slab
         route: the (source, token, slot) pairs whose expert lives here, numbered per expert by a
             cumulative sum (source rank, then token order), give each row's place in
-            recv_x [E_local, R*N, H]; a Triton kernel copies the served rows there
+            recv_x [E_l, R*N, H]; a Triton kernel copies the served rows there
     low_latency_combine (one all-gather of the weights [N, k], one all_to_all_single):
         per source rank s and token t: partial[s, t] = sum of w * expert output over the slots
             served here (float32 [N, H]), sent back to s, summed over ranks on s
@@ -53,12 +53,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from vllm_moe_fixes import envs
-from vllm_moe_fixes._validate import check, check_experts_per_rank, check_positive_int
+from vllm_moe_fixes._validate import check, check_positive_int
+from vllm_moe_fixes.distributed import buffer_checks as checks
 from vllm_moe_fixes.distributed import deepep_sizing as sizing
 from vllm_moe_fixes.distributed import ll_exchange as ll
 from vllm_moe_fixes.distributed.collectives import run_collective
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE
 
 # torch 2.13 names it all_gather_single; older releases all_gather_into_tensor (same arguments).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -80,33 +79,6 @@ class _LLHandle(NamedTuple):
     hidden: int
     num_experts: int
     workspace: ll.LLWorkspace       # the dispatch's tensors, reused by the combine
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16"}
-
-
-def _checks_values(t: torch.Tensor) -> bool:
-    """Whether to check the values of ``t``: always on the CPU, on CUDA only when asked (a read of
-    a device value waits for the device)."""
-    return t.device.type != "cuda" or envs.VLLM_MOE_CHECK_IDS
-
-
-def _describe(t) -> str:
-    return f"{t.dtype} {list(t.shape)}{'' if t.is_contiguous() else ' (non-contiguous)'}" \
-        if isinstance(t, torch.Tensor) else repr(type(t).__name__)
-
-
-def _check_tensor(name: str, t, dtype: torch.dtype | tuple, dim: int,
-                  contiguous: bool = True) -> None:
-    """ValueError naming ``name`` unless t is a tensor of that dtype (one of them) and dim
-    (and contiguous, as DeepEP's kernels require)."""
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    ok = isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == dim and \
-        (t.is_contiguous() or not contiguous)
-    if not ok:
-        want = " or ".join(_DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in dtypes)
-        layout = ", contiguous" if contiguous else ""
-        raise ValueError(f"{name} must be {want} with {dim} dims{layout}; got {_describe(t)}")
 
 
 class TorchAll2AllBuffer:
@@ -233,11 +205,11 @@ class TorchAll2AllBuffer:
             is_token_in_rank: bool [T, R].
             event: None.
         """
-        e_local = self._check_topk(topk_idx, num_experts)
+        local_num_experts = checks.check_topk(topk_idx, num_experts, self.group_size)
         r, dev = self.group_size, topk_idx.device
         valid = topk_idx >= 0
         # -1 slots land in a spare column / bin that is dropped: no boolean indexing, no host sync.
-        dest = torch.where(valid, topk_idx // e_local, r)
+        dest = torch.where(valid, topk_idx // local_num_experts, r)
         in_rank = torch.zeros(topk_idx.shape[0], r + 1, dtype=torch.bool, device=dev) \
             .scatter_(1, dest, True)[:, :r].contiguous()
         per_rank = in_rank.sum(0, dtype=torch.int32)
@@ -275,10 +247,10 @@ class TorchAll2AllBuffer:
 
         Returns:
             recv_x: like x, [T', ...]: the tokens received, grouped by source rank, token order.
-            recv_topk_idx: int64 [T', k] LOCAL expert ids (id - rank * E_local) for experts here,
+            recv_topk_idx: int64 [T', k] LOCAL expert ids (id - rank * E_l) for experts here,
                 else -1; recv_topk_weights: float32 [T', k], 0 where the id is -1 (None if not
                 sent).
-            num_recv_tokens_per_expert_list: list of E_local ints.
+            num_recv_tokens_per_expert_list: list of E_l ints.
             handle: pass to ``combine`` (or to a cached ``dispatch``).
             event: None.
             With a handle: (recv_x, None, None, None, None, None).
@@ -289,15 +261,19 @@ class TorchAll2AllBuffer:
         if expert_alignment < 1:
             raise ValueError(f"expert_alignment={expert_alignment} must be >= 1")
         x_data, x_scales = x if isinstance(x, tuple) else (x, None)
-        self._check_rows(x_data, x_scales)
+        checks.check_rows(x_data, x_scales)
         fields = [x_data] + ([x_scales] if x_scales is not None else [])
         if handle is not None:
-            self._check_cached_dispatch(x_data, handle, topk_idx, topk_weights)
+            check(isinstance(handle, _HTHandle),
+                  "handle must be the one this buffer's dispatch returned")
+            checks.check_cached_dispatch(x_data, topk_idx, topk_weights,
+                                         handle.is_token_in_rank.shape[0])
             got = self._send_rows(handle, fields)
             return (got[0] if x_scales is None else tuple(got)), None, None, None, None, None
 
-        e_local = self._check_layout(x_data.shape[0], num_tokens_per_rank, is_token_in_rank,
-                                     num_tokens_per_expert, topk_idx, topk_weights)
+        local_num_experts = checks.check_layout(
+            x_data.shape[0], self.group_size, num_tokens_per_rank, is_token_in_rank,
+            num_tokens_per_expert, topk_idx, topk_weights)
         send_splits, recv_splits, per_expert_list = self._agree_counts(
             num_tokens_per_rank, num_tokens_per_expert, expert_alignment)
         handle = _HTHandle(is_token_in_rank, self._send_order(is_token_in_rank, send_splits),
@@ -308,7 +284,7 @@ class TorchAll2AllBuffer:
         recv_x = tuple(got[:2]) if x_scales is not None else got[0]
         recv_idx = recv_w = None
         if topk_idx is not None:
-            recv_idx, recv_w = self._localise(*got[-2:], e_local)
+            recv_idx, recv_w = self._localise(*got[-2:], local_num_experts)
         return recv_x, recv_idx, recv_w, per_expert_list, handle, None
 
     def combine(self, x: torch.Tensor, handle: _HTHandle, topk_weights: torch.Tensor | None = None,
@@ -330,7 +306,10 @@ class TorchAll2AllBuffer:
             combined_topk_weights: float32 [T, k] or None.
             event: None.
         """
-        t = self._check_combine(x, handle, topk_weights, bias)
+        check(isinstance(handle, _HTHandle),
+              "combine needs the handle returned by this buffer's dispatch")
+        t = handle.is_token_in_rank.shape[0]
+        checks.check_combine(x, topk_weights, bias, sum(handle.recv_splits), t)
         fields = [x] + ([topk_weights] if topk_weights is not None else [])
         # x and the weights in one exchange
         back = self._exchange_packed(fields, handle.recv_splits, handle.send_splits)
@@ -347,7 +326,7 @@ class TorchAll2AllBuffer:
 
     # High-throughput steps.
     def _agree_counts(self, num_tokens_per_rank, num_tokens_per_expert, expert_alignment):
-        """Exchange the [R, 1 + E_local] count matrix and read it to the host (the one sync).
+        """Exchange the [R, 1 + E_l] count matrix and read it to the host (the one sync).
 
         Returns (rows sent to each rank, rows received from each rank, aligned selections received
         per local expert), lists of ints."""
@@ -369,7 +348,7 @@ class TorchAll2AllBuffer:
         host already knows how many there are, so no device value is read."""
         t = is_token_in_rank.shape[0]
         mask = is_token_in_rank.t().reshape(-1)
-        if _checks_values(is_token_in_rank):
+        if checks.checks_values(is_token_in_rank):
             per_rank = is_token_in_rank.sum(0).tolist()
             if per_rank != send_splits:
                 raise ValueError(f"num_tokens_per_rank {send_splits} does not match "
@@ -379,10 +358,10 @@ class TorchAll2AllBuffer:
         order = torch.sort((~mask).to(torch.uint8), stable=True).indices[:sum(send_splits)]
         return order % t
 
-    def _localise(self, recv_idx: torch.Tensor, recv_w: torch.Tensor, e_local: int):
+    def _localise(self, recv_idx: torch.Tensor, recv_w: torch.Tensor, local_num_experts: int):
         """Received global ids -> local ids of experts here, -1 (weight 0) elsewhere."""
-        local = recv_idx - self.rank * e_local
-        here = (recv_idx >= 0) & (local >= 0) & (local < e_local)
+        local = recv_idx - self.rank * local_num_experts
+        here = (recv_idx >= 0) & (local >= 0) & (local < local_num_experts)
         return torch.where(here, local, -1), torch.where(here, recv_w, 0.0)
 
     def _send_rows(self, handle: _HTHandle, fields: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -409,7 +388,7 @@ class TorchAll2AllBuffer:
             topk_idx: int64 [T, k] contiguous global expert ids, -1 = none; k <= 11.
             num_max_dispatch_tokens_per_rank: N, identical on every rank.
             num_experts: E, a multiple of the rank count R.
-            cumulative_local_expert_recv_stats: optional int32 [E_local] contiguous; recv_count is
+            cumulative_local_expert_recv_stats: optional int32 [E_l] contiguous; recv_count is
                 added to it.
             dispatch_wait_recv_cost_stats: optional int64 [R] contiguous, left untouched (no
                 timing).
@@ -419,31 +398,31 @@ class TorchAll2AllBuffer:
             async_finish, return_recv_hook: mutually exclusive; the hook is a no-op.
 
         Returns:
-            recv_x: fp8: (float8_e4m3fn [E_local, R*N, H], float32 scales [E_local, R*N, H/128] with
+            recv_x: fp8: (float8_e4m3fn [E_l, R*N, H], float32 scales [E_l, R*N, H/128] with
                 strides (R*N*H/128, 1, R*N), i.e. column-major in the last two dims); else bf16
-                [E_local, R*N, H]. Rows of expert e past recv_count[e] are uninitialised.
-            recv_count: int32 [E_local] valid rows per local expert (grouped by source rank,
+                [E_l, R*N, H]. Rows of expert e past recv_count[e] are uninitialised.
+            recv_count: int32 [E_l] valid rows per local expert (grouped by source rank,
                 token order).
             handle: pass to ``low_latency_combine``.
             event: None.
             hook: a no-op callable with ``return_recv_hook``, else None.
 
         recv_x, recv_count and the handle live in the buffer, as DeepEP's low-latency results do:
-        the buffer holds two sets per size (N, k, H, E_local, use_fp8, device) and dispatches take
+        the buffer holds two sets per size (N, k, H, E_l, use_fp8, device) and dispatches take
         them in turn, so they stay valid until the dispatch after next of the same size (hold at
         most two results at a time; clone what must live longer).
         """
         n = num_max_dispatch_tokens_per_rank
-        e_local = self._check_ll_dispatch(x, topk_idx, n, num_experts,
-                                          cumulative_local_expert_recv_stats,
-                                          dispatch_wait_recv_cost_stats, use_fp8, use_ue8m0,
-                                          async_finish, return_recv_hook)
-        ws = self._ll_workspace(n, topk_idx.shape[1], x.shape[1], e_local, use_fp8, x.device)
+        local_num_experts = self._check_ll_dispatch(
+            x, topk_idx, n, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_ue8m0, async_finish, return_recv_hook)
+        ws = self._ll_workspace(n, topk_idx.shape[1], x.shape[1], local_num_experts, use_fp8,
+                                x.device)
         ll.pack(x, topk_idx, *ws.send_fields, round_scale)
         if self.group_size > 1:  # [R*N, row] bytes: every rank's slab
             run_collective(_all_gather, ws.gathered, ws.slab, group=self.group)
         ids, scales, data = ws.recv_fields
-        route = ll.route(ids, self.rank, e_local,
+        route = ll.route(ids, self.rank, local_num_experts,
                          (ws.served, ws.local, ws.pos, ws.recv_row, ws.recv_count))
         ll.scatter_rows(data, ws.recv_bytes, *route[:3], scales, ws.recv_scales)
         recv_x = ws.recv if scales is None else (ws.recv, ws.recv_scales)
@@ -462,7 +441,7 @@ class TorchAll2AllBuffer:
         No host sync (CUDA-graph capturable).
 
         Arguments:
-            x: bf16 [E_local, R*N, H] contiguous, expert outputs in ``low_latency_dispatch``'s
+            x: bf16 [E_l, R*N, H] contiguous, expert outputs in ``low_latency_dispatch``'s
                 layout (only the valid rows are read).
             topk_idx: int64 [T, k] contiguous, as dispatched (its values are not read again: the
                 handle holds the routing); topk_weights: float32 [T, k] contiguous, T <= N.
@@ -498,162 +477,38 @@ class TorchAll2AllBuffer:
         return out, None, ((lambda: None) if return_recv_hook else None)
 
     # Low-latency steps.
-    def _ll_workspace(self, n: int, k: int, h: int, e_local: int, use_fp8: bool,
+    def _ll_workspace(self, n: int, k: int, h: int, local_num_experts: int, use_fp8: bool,
                       device: torch.device) -> ll.LLWorkspace:
         """The workspace of this dispatch: two per size, taken in turn (as DeepEP's two
         low-latency buffers), so a dispatch's results live until the dispatch after next."""
-        key = (n, k, h, e_local, use_fp8, device)
+        key = (n, k, h, local_num_experts, use_fp8, device)
         pair = self._ll_workspaces.get(key)
         if pair is None:
             pair = self._ll_workspaces[key] = [
-                ll.LLWorkspace(n, self.group_size, k, h, e_local, use_fp8, device)
+                ll.LLWorkspace(n, self.group_size, k, h, local_num_experts, use_fp8, device)
                 for _ in range(2)]
         pair.reverse()
         return pair[0]
 
-    # ----------------------------------------------------------------- validation
-    def _check_topk(self, topk_idx: torch.Tensor, num_experts: int,
-                    check_values: bool | None = None) -> int:
-        """Validate topk_idx against num_experts; return E_local. The value range is read where
-        ``check_values`` (default: ``_checks_values(topk_idx)``) allows it."""
-        _check_tensor("topk_idx", topk_idx, torch.int64, 2)
-        e_local = check_experts_per_rank(num_experts, self.group_size)
-        if check_values is None:
-            check_values = _checks_values(topk_idx)
-        if check_values and topk_idx.numel():
-            lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
-            if lo < -1 or hi >= num_experts:
-                raise ValueError(f"topk_idx values must lie in [-1, {num_experts}); "
-                                 f"got [{lo}, {hi}]")
-        return e_local
-
-    @staticmethod
-    def _check_rows(x, scales) -> None:
-        check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_contiguous(),
-              f"x must be a contiguous [T, H] tensor; got {_describe(x)}")
-        if (x.shape[1] * x.element_size()) % 16:
-            raise ValueError(f"x must be [T, H] with rows of a multiple of 16 bytes; "
-                             f"got {_describe(x)}")
-        if scales is not None:
-            check(x.dtype == FP8_DTYPE, f"with scales, x must be float8_e4m3fn; got {x.dtype}")
-            _check_tensor("x scales", scales, torch.float32, 2, contiguous=False)
-            check(scales.shape[0] == x.shape[0],
-                  f"x scales must have {x.shape[0]} rows (one per token); got {list(scales.shape)}")
-
-    @staticmethod
-    def _check_cached_dispatch(x, handle, topk_idx, topk_weights) -> None:
-        check(isinstance(handle, _HTHandle),
-              "handle must be the one this buffer's dispatch returned")
-        check(topk_idx is None and topk_weights is None,
-              "dispatch with a cached handle takes no topk_idx/topk_weights")
-        t = handle.is_token_in_rank.shape[0]
-        check(x.shape[0] == t, f"x has {x.shape[0]} tokens but the handle was made for {t}")
-
-    def _check_layout(self, t, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                      topk_idx, topk_weights) -> int:
-        """Check a dispatch without a handle; return E_local."""
-        r = self.group_size
-        for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
-                            ("is_token_in_rank", is_token_in_rank),
-                            ("num_tokens_per_expert", num_tokens_per_expert)):
-            check(value is not None,
-                  f"dispatch without a handle needs {name} (from get_dispatch_layout)")
-        _check_tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2)
-        check(tuple(is_token_in_rank.shape) == (t, r), f"is_token_in_rank must be [{t}, {r}] "
-              f"(tokens, ranks); got {list(is_token_in_rank.shape)}")
-        _check_tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1)
-        check(num_tokens_per_rank.shape[0] == r,
-              f"num_tokens_per_rank must be [{r}]; got {list(num_tokens_per_rank.shape)}")
-        _check_tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1)
-        e_local = check_experts_per_rank(num_tokens_per_expert.numel(), r)
-        most = sizing.NUM_MAX_LOCAL_EXPERTS
-        check(e_local <= most, f"num_tokens_per_expert gives {e_local} experts per rank; DeepEP's "
-              f"dispatch takes at most {most}")
-        check((topk_idx is None) == (topk_weights is None),
-              "topk_idx and topk_weights go together: pass both or neither")
-        if topk_idx is not None:
-            self._check_topk(topk_idx, num_tokens_per_expert.numel())
-            check(topk_idx.shape[0] == t, f"topk_idx has {topk_idx.shape[0]} tokens, x has {t}")
-            _check_tensor("topk_weights", topk_weights, torch.float32, 2)
-            check(topk_weights.shape == topk_idx.shape, f"topk_weights must be "
-                  f"{list(topk_idx.shape)} like topk_idx; got {list(topk_weights.shape)}")
-        return e_local
-
-    @staticmethod
-    def _check_combine(x, handle, topk_weights, bias) -> int:
-        """Check combine's arguments; return T, the token count of the dispatch."""
-        check(isinstance(handle, _HTHandle),
-              "combine needs the handle returned by this buffer's dispatch")
-        t_recv, t = sum(handle.recv_splits), handle.is_token_in_rank.shape[0]
-        _check_tensor("x", x, torch.bfloat16, 2)
-        check(x.shape[0] == t_recv,
-              f"x must be [{t_recv}, H] (the received token count); got {list(x.shape)}")
-        if topk_weights is not None:
-            _check_tensor("topk_weights", topk_weights, torch.float32, 2)
-            check(topk_weights.shape[0] == t_recv,
-                  f"topk_weights must have {t_recv} rows; got {list(topk_weights.shape)}")
-        biases = bias if isinstance(bias, tuple) else (bias,)
-        check(len(biases) <= 2, f"bias takes at most two tensors; got {len(biases)}")
-        for b in biases:
-            if b is not None:
-                _check_tensor("bias", b, x.dtype, 2)
-                check(tuple(b.shape) == (t, x.shape[1]),
-                      f"bias must be [{t}, {x.shape[1]}]; got {list(b.shape)}")
-        return t
-
-    def _check_ll_dispatch(self, x, topk_idx, n, num_experts, recv_stats, wait_stats, use_fp8,
-                           use_ue8m0, async_finish, return_recv_hook) -> int:
+    # ------------------------------------------------------- checks that need the buffer's state
+    def _check_ll_dispatch(self, x, topk_idx, n, num_experts, recv_stats, wait_stats, use_ue8m0,
+                           async_finish, return_recv_hook) -> int:
         """Check low_latency_dispatch's arguments (and, where values are checked, that N agrees
-        across ranks: a collective); return E_local. Messages are formatted only on failure (this
-        runs on every call)."""
+        across ranks: a collective); return E_l."""
         if not self.low_latency_mode:
             raise ValueError("low_latency_dispatch needs a buffer built with low_latency_mode=True")
-        _check_tensor("x", x, torch.bfloat16, 2)
-        if use_ue8m0:
-            raise ValueError("use_ue8m0=True: UE8M0 scales are not supported by "
-                             "TorchAll2AllBuffer")
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
-        check_values = _checks_values(x)
-        e_local = self._check_topk(topk_idx, num_experts, check_values)
-        t, k = topk_idx.shape
-        if t != x.shape[0]:
-            raise ValueError(f"topk_idx has {t} tokens, x has {x.shape[0]}")
-        if k > sizing.LL_MAX_TOPK:
-            raise ValueError(f"top-k {k} > {sizing.LL_MAX_TOPK}, the most DeepEP's low-latency "
-                             "kernels take")
-        if t > n:
-            raise ValueError(f"{t} tokens exceed num_max_dispatch_tokens_per_rank={n}")
-        self._check_ll_size(n, x.shape[1], num_experts)
-        if recv_stats is not None:
-            name = "cumulative_local_expert_recv_stats"
-            _check_tensor(name, recv_stats, torch.int32, 1)
-            check(recv_stats.shape[0] == e_local,
-                  f"{name} must be [{e_local}] (E_local); got {list(recv_stats.shape)}")
-        self._check_wait_stats("dispatch_wait_recv_cost_stats", wait_stats)
+        local_num_experts, check_values = checks.check_ll_dispatch(
+            x, topk_idx, n, num_experts, self.group_size, use_ue8m0, async_finish,
+            return_recv_hook)
+        if (n, x.shape[1], num_experts) not in self._ll_sizes_ok:  # host arithmetic, once
+            checks.check_ll_buffer_size(n, x.shape[1], self.group_size, num_experts,
+                                        self.num_rdma_bytes, self.ll_sizes)
+            self._ll_sizes_ok.add((n, x.shape[1], num_experts))
+        checks.check_recv_stats(recv_stats, local_num_experts)
+        checks.check_wait_stats("dispatch_wait_recv_cost_stats", wait_stats, self.group_size)
         if check_values:
             self._check_same_n(n, x.device)
-        return e_local
-
-    def _check_ll_size(self, n: int, h: int, num_experts: int) -> None:
-        """DeepEP's low-latency limits for (N, H, E) and the buffer's size; a passing triple is
-        remembered (the check is pure arithmetic on host ints, and runs on every call)."""
-        if (n, h, num_experts) in self._ll_sizes_ok:
-            return
-        need = sizing.check_low_latency_config(n, h, self.group_size, num_experts)
-        if need > self.num_rdma_bytes:
-            bn, bh, be = self.ll_sizes
-            raise ValueError(
-                f"low-latency buffer too small: (N={n}, H={h}, E={num_experts}) needs {need} "
-                f"bytes, the buffer was sized for (N={bn}, H={bh}, E={be}) = "
-                f"{self.num_rdma_bytes} bytes (DeepEP's layout.total_bytes <= num_rdma_bytes)")
-        self._ll_sizes_ok.add((n, h, num_experts))
-
-    def _check_wait_stats(self, name, stats) -> None:
-        if stats is not None:
-            _check_tensor(name, stats, torch.int64, 1)
-            check(stats.shape[0] == self.group_size, f"{name} must be [{self.group_size}] (one "
-                  f"per rank); got {list(stats.shape)}")
+        return local_num_experts
 
     def _check_same_n(self, n: int, device: torch.device) -> None:
         """Every rank must pass the same N (the message size): gathered and compared."""
@@ -664,31 +519,12 @@ class TorchAll2AllBuffer:
 
     def _check_ll_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats, async_finish,
                           return_recv_hook) -> None:
-        """Messages are formatted only on failure (this runs on every call)."""
         if not isinstance(handle, _LLHandle):
             raise ValueError("low_latency_combine needs the handle returned by "
                              "low_latency_dispatch")
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
-        n, t, h = handle.num_max_dispatch_tokens_per_rank, handle.num_tokens, handle.hidden
-        shape = (handle.num_experts // self.group_size, self.group_size * n, h)
-        _check_tensor("x", x, torch.bfloat16, 3)
-        if x.shape != shape:
-            raise ValueError(f"x must be {list(shape)} ([E_local, R*N, H]); got {list(x.shape)}")
-        _check_tensor("topk_idx", topk_idx, torch.int64, 2)
-        _check_tensor("topk_weights", topk_weights, torch.float32, 2)
-        if topk_weights.shape != topk_idx.shape:
-            raise ValueError(f"topk_weights must be {list(topk_idx.shape)} like topk_idx; got "
-                             f"{list(topk_weights.shape)}")
-        if topk_weights.shape[0] > n:
-            raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows; at most "
-                             f"num_max_dispatch_tokens_per_rank={n}")
-        k = handle.served.shape[1]
-        if topk_idx.shape != (t, k):
-            raise ValueError(f"topk_idx must be [{t}, {k}] as dispatched; got "
-                             f"{list(topk_idx.shape)}")
-        if out is not None:
-            _check_tensor("out", out, torch.bfloat16, 2)
-            if out.shape != (t, h):
-                raise ValueError(f"out must be [{t}, {h}]; got {list(out.shape)}")
-        self._check_wait_stats("combine_wait_recv_cost_stats", wait_stats)
+        checks.check_hook_flags(async_finish, return_recv_hook)
+        n, r = handle.num_max_dispatch_tokens_per_rank, self.group_size
+        checks.check_ll_combine(
+            x, topk_idx, topk_weights, out, x_shape=(handle.num_experts // r, r * n, handle.hidden),
+            n=n, num_tokens=handle.num_tokens, topk=handle.served.shape[1])
+        checks.check_wait_stats("combine_wait_recv_cost_stats", wait_stats, r)

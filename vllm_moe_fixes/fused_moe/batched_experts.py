@@ -4,10 +4,10 @@ Input a1q fp8 [E_l, T, K] (T = R*N rows per local expert, only the first expert_
 valid). One `apply`, three launches:
 
     step                      reads                writes
-    GEMM1 (w1)                a1q, a1q_scale       H  bf16 [E_l, T, 2N]   start of ws13
-    silu_and_mul + requant    H (valid rows)       G' fp8 [E_l, T, N]     start of ws2
-                                                   + f32 scales [E_l, T, N/128], MN-major per
-                                                     expert (strides (T*N/128, 1, T)), after G'
+    GEMM1 (w1)                a1q, a1q_scale       H  bf16 [E_l, T, 2I]   start of ws13
+    silu_and_mul + requant    H (valid rows)       G' fp8 [E_l, T, I]     start of ws2
+                                                   + f32 scales [E_l, T, I/128], MN-major per
+                                                     expert (strides (T*I/128, 1, T)), after G'
     GEMM2 (w2)                G'                   Y  bf16 [E_l, T, K]    output = start of ws13
 
 Every step touches only the valid rows of each expert: the GEMMs are masked, and the fused SiLU
@@ -34,20 +34,22 @@ from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_m
 from vllm_moe_fixes.sizes import batched_workspace_shapes
 
 
-def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, e_l: int, t: int, n: int):
-    """(H bf16 [E_l, T, 2N] at the start of ws13, G' fp8 [E_l, T, N] at the start of ws2, G''s
-    float32 scales [E_l, T, N/128] MN-major per expert right after G')."""
-    h = ws13.view(-1)[:e_l * t * 2 * n].view(e_l, t, 2 * n)
+def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, local_num_experts: int, t: int, I: int):
+    """(H bf16 [E_l, T, 2I] at the start of ws13, G' fp8 [E_l, T, I] at the start of ws2, G''s
+    float32 scales [E_l, T, I/128] MN-major per expert right after G')."""
+    rows = local_num_experts * t
+    h = ws13.view(-1)[:rows * 2 * I].view(local_num_experts, t, 2 * I)
     ws = ws2.view(-1).view(torch.uint8)
-    g_q = ws[:e_l * t * n].view(FP8_DTYPE).view(e_l, t, n)
-    groups = n // SCALE_BLOCK
-    g_s = ws[e_l * t * n:e_l * t * n + e_l * t * groups * 4].view(torch.float32)
-    return h, g_q, g_s.view(e_l, groups, t).transpose(1, 2)
+    g_q = ws[:rows * I].view(FP8_DTYPE).view(local_num_experts, t, I)
+    groups = I // SCALE_BLOCK
+    g_s = ws[rows * I:rows * I + rows * groups * 4].view(torch.float32)
+    return h, g_q, g_s.view(local_num_experts, groups, t).transpose(1, 2)
 
 
-def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, e_l: int, t: int, n: int):
+def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, local_num_experts: int, t: int,
+                    I: int):
     """_make_views, cached on the workspaces (workspaces.views_cached_on)."""
-    return views_cached_on(ws13, ws2, _make_views, e_l, t, n)
+    return views_cached_on(ws13, ws2, _make_views, local_num_experts, t, I)
 
 
 def _silu_and_mul_quant(h, g_q, g_s, masked_m) -> None:
@@ -71,9 +73,9 @@ class BatchedExperts(Experts):
     def gemm(self, a, w, out: torch.Tensor, masked_m: torch.Tensor, expected_m: int) -> None:
         """Masked grouped GEMM (DeepGEMM's contract, ops.grouped_fp8_gemm_masked)."""
 
-    def workspace_shapes(self, M, N, K, topk, local_num_experts):
+    def workspace_shapes(self, M, I, K, topk, local_num_experts):
         """M is T, the rows of each expert slice (vllm_moe_fixes.sizes)."""
-        return batched_workspace_shapes(M, N, K, local_num_experts)
+        return batched_workspace_shapes(M, I, K, local_num_experts)
 
     def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
               activation, workspace13, workspace2, expert_num_tokens, *, topk_weights=None,
@@ -86,10 +88,11 @@ class BatchedExperts(Experts):
             raise ValueError(f"activation must be 'silu', got {activation!r}")
         if expert_num_tokens is None:
             raise ValueError("batched experts need expert_num_tokens (int32 [E_l])")
-        e_l, t, _ = a1q.shape
+        local_num_experts, t, _ = a1q.shape
         masked_m = expert_num_tokens.to(torch.int32).contiguous()
         expected_m = t if expected_m is None else expected_m
-        h, g_q, g_s = workspace_views(workspace13, workspace2, e_l, t, w2.shape[2])
+        h, g_q, g_s = workspace_views(workspace13, workspace2, local_num_experts, t,
+                                      w2.shape[2])
         self.gemm((a1q, a1q_scale), (w1, w1_scale), h, masked_m, expected_m)
         _silu_and_mul_quant(h, g_q, g_s, masked_m)
         self.gemm((g_q, g_s), (w2, w2_scale), output, masked_m, expected_m)
@@ -105,7 +108,7 @@ class BatchedTritonExperts(BatchedExperts):
 
 
 class BatchedDeepGemmExperts(BatchedExperts):
-    """Batched experts on DeepGEMM's masked grouped FP8 GEMM (N, K multiples of 128).
+    """Batched experts on DeepGEMM's masked grouped FP8 GEMM (I, K multiples of 128).
 
     expected_m (DeepGEMM's tiling hint) is what the modular kernel passes: the average rows per
     expert at full dispatch capacity (vllm_moe_fixes.sizes.expected_rows_per_expert), computed on
@@ -114,20 +117,20 @@ class BatchedDeepGemmExperts(BatchedExperts):
     """
 
     # DeepGEMM's masked GEMM (SM90) stores whole output tiles of 64 or 128 rows into the flat
-    # [E_l * T, N] view, bounded only by the view's end: with T not a multiple of the tile, an
+    # [E_l * T, I] view, bounded only by the view's end: with T not a multiple of the tile, an
     # expert's last tile overwrites the first rows of the next expert's slice. So T must be a
     # multiple of the largest tile.
-    ROW_ALIGNMENT = 128
+    MASKED_TILE_ROWS = 128
 
     def __init__(self) -> None:
         _deep_gemm.require("BatchedDeepGemmExperts")
 
     def apply(self, output, a1q, *args, **kwargs) -> None:
         t = a1q.shape[1]
-        if t % self.ROW_ALIGNMENT:
+        if t % self.MASKED_TILE_ROWS:
             raise ValueError(
                 f"BatchedDeepGemmExperts needs T = num_dispatchers * max_tokens_per_rank rows per "
-                f"expert slice to be a multiple of {self.ROW_ALIGNMENT}, got T={t}: DeepGEMM's "
+                f"expert slice to be a multiple of {self.MASKED_TILE_ROWS}, got T={t}: DeepGEMM's "
                 "masked GEMM writes whole 128-row tiles (choose VLLM_MOE_DP_CHUNK_SIZE so that "
                 "the rank count times it is a multiple of 128, or use BatchedTritonExperts)")
         super().apply(output, a1q, *args, **kwargs)
@@ -142,7 +145,7 @@ def select_batched_experts(intermediate_size: int, hidden_size: int) -> BatchedE
     warning on sizes that are not multiples of 128).
 
     Args:
-        intermediate_size: N = I (w1 is [E_l, 2N, K], w2 is [E_l, K, N]).
+        intermediate_size: I (w1 is [E_l, 2I, K], w2 is [E_l, K, I]).
         hidden_size: K.
     """
     return select_experts_of(BatchedTritonExperts, BatchedDeepGemmExperts, intermediate_size,

@@ -6,8 +6,8 @@ five launches besides the two GEMMs:
     step                      reads                    writes (inside the two workspaces)
     layout (1 or 2 kernels)   topk_ids [M, k]          int32 index vectors       (tail of ws2)
     permute a1q               a1q [M, K] fp8           A  fp8 [M_sum, K] + scales  (ws13 bytes)
-    GEMM1 (w1)                A                        H  bf16 [M_sum, 2N]         (ws2)
-    silu_and_mul + requant    H                        G' fp8 [M_sum, N] + scales  (ws13 bytes)
+    GEMM1 (w1)                A                        H  bf16 [M_sum, 2I]         (ws2)
+    silu_and_mul + requant    H                        G' fp8 [M_sum, I] + scales  (ws13 bytes)
     GEMM2 (w2)                G'                       Y  bf16 [M_sum, K]          (ws2)
     un-permute + reduce       Y, topk_weights          output [M, K]
 
@@ -49,7 +49,7 @@ from vllm_moe_fixes.ops.permute import (
     unpermute_reduce_triton,
 )
 from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_triton
-from vllm_moe_fixes.sizes import ALIGNMENT, LAYOUT_INDEX_COLUMNS, contiguous_workspace_shapes
+from vllm_moe_fixes.sizes import LAYOUT_INDEX_COLUMNS, ROW_ALIGNMENT, contiguous_workspace_shapes
 
 
 def _byte_view(ws: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
@@ -72,28 +72,28 @@ class _Views(NamedTuple):
     layout: ContiguousLayout
     counts: torch.Tensor  # int32 [n_chunks * E_l], the layout kernels' scratch
     a: tuple[torch.Tensor, torch.Tensor]  # A fp8 [M_sum, K], scales [M_sum, K/128] MN-major
-    h: torch.Tensor  # H bf16 [M_sum, 2N]
-    g: tuple[torch.Tensor, torch.Tensor]  # G' fp8 [M_sum, N], scales [M_sum, N/128] MN-major
+    h: torch.Tensor  # H bf16 [M_sum, 2I]
+    g: tuple[torch.Tensor, torch.Tensor]  # G' fp8 [M_sum, I], scales [M_sum, I/128] MN-major
     y: torch.Tensor  # Y bf16 [M_sum, K]
 
 
-def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int, K: int,
-                N: int) -> _Views:
+def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, local_num_experts: int,
+                K: int, I: int) -> _Views:
     """The views of the module docstring's table for num_slots = M*k slots (ws2 has M_sum rows)."""
     m_sum = ws2.shape[0]
     index_numel = m_sum * LAYOUT_INDEX_COLUMNS  # bf16 elements = 2x as many int32
     flat2 = ws2.view(-1)
     layout, counts = carve_layout(flat2[flat2.numel() - index_numel:].view(torch.int32),
-                                  num_slots, E_l)
+                                  num_slots, local_num_experts)
     return _Views(layout=layout, counts=counts, a=_fp8_with_mn_major_scales(ws13, m_sum, K),
-                  h=flat2[:m_sum * 2 * N].view(m_sum, 2 * N),
-                  g=_fp8_with_mn_major_scales(ws13, m_sum, N), y=flat2[:m_sum * K].view(m_sum, K))
+                  h=flat2[:m_sum * 2 * I].view(m_sum, 2 * I),
+                  g=_fp8_with_mn_major_scales(ws13, m_sum, I), y=flat2[:m_sum * K].view(m_sum, K))
 
 
-def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, E_l: int, K: int,
-                    N: int) -> _Views:
+def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int,
+                    local_num_experts: int, K: int, I: int) -> _Views:
     """_make_views, cached on the workspaces (workspaces.views_cached_on)."""
-    return views_cached_on(ws13, ws2, _make_views, num_slots, E_l, K, N)
+    return views_cached_on(ws13, ws2, _make_views, num_slots, local_num_experts, K, I)
 
 
 class _Launchers(NamedTuple):
@@ -133,19 +133,19 @@ class ContiguousExperts(Experts):
              out: torch.Tensor, m_indices: torch.Tensor) -> None:
         """Contiguous grouped GEMM, DeepGEMM's contract (ops.grouped_fp8_gemm_contiguous)."""
 
-    def workspace_shapes(self, M, N, K, topk, local_num_experts):
-        return contiguous_workspace_shapes(M, N, K, topk, local_num_experts)
+    def workspace_shapes(self, M, I, K, topk, local_num_experts):
+        return contiguous_workspace_shapes(M, I, K, topk, local_num_experts)
 
     def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
               activation, workspace13, workspace2, expert_num_tokens, *, topk_weights=None,
               expected_m=None) -> None:
         """output bf16 [M, K] (written: the weighted sum of each token's k expert rows; slots
         with no local expert add 0); topk_weights float32 [M, k] or None (plain sum)."""
-        E_l, K, N = w2.shape
+        local_num_experts, K, I = w2.shape
         run = launchers_for(a1q.device)
-        v = workspace_views(workspace13, workspace2, topk_ids.numel(), E_l, K, N)
+        v = workspace_views(workspace13, workspace2, topk_ids.numel(), local_num_experts, K, I)
         m_indices = v.layout.m_indices
-        run.layout(topk_ids, E_l, expert_map, v.layout, v.counts)
+        run.layout(topk_ids, local_num_experts, expert_map, v.layout, v.counts)
         run.permute(a1q, a1q_scale, v.layout, *v.a)
         self.gemm(v.a, (w1, w1_scale), v.h, m_indices)
         run.silu_quant(v.h, *v.g)
@@ -164,7 +164,7 @@ class TritonExperts(ContiguousExperts):
 
 
 class DeepGemmExperts(ContiguousExperts):
-    """Experts on DeepGEMM's contiguous grouped FP8 GEMM (SM90/SM100; N, K multiples of 128).
+    """Experts on DeepGEMM's contiguous grouped FP8 GEMM (SM90/SM100; I, K multiples of 128).
 
     Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and DeepGEMM) when DeepGEMM is not usable, or
     when its contiguous layout wants another segment alignment than the one ops/permute.py builds.
@@ -173,9 +173,9 @@ class DeepGemmExperts(ContiguousExperts):
     def __init__(self) -> None:
         _deep_gemm.require("DeepGemmExperts")
         alignment = _deep_gemm.get_m_alignment_for_contiguous_layout()
-        if alignment != ALIGNMENT:
+        if alignment != ROW_ALIGNMENT:
             raise RuntimeError(f"this DeepGEMM build aligns expert segments to {alignment} rows; "
-                               f"the contiguous layout here aligns them to {ALIGNMENT}")
+                               f"the contiguous layout here aligns them to {ROW_ALIGNMENT}")
 
     def gemm(self, a, w, out, m_indices) -> None:
         _deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices)
@@ -187,7 +187,7 @@ def select_experts(intermediate_size: int, hidden_size: int) -> ContiguousExpert
     warning on sizes that are not multiples of 128).
 
     Args:
-        intermediate_size: N = I (w1 is [E_l, 2N, K], w2 is [E_l, K, N]).
+        intermediate_size: I (w1 is [E_l, 2I, K], w2 is [E_l, K, I]).
         hidden_size: K.
     """
     return select_experts_of(TritonExperts, DeepGemmExperts, intermediate_size, hidden_size)
