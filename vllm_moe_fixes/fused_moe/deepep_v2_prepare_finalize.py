@@ -59,13 +59,16 @@ class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
             (longer calls run in chunks of N); None: the buffer's ``num_max_tokens_per_rank``.
         do_cpu_sync: wait for the exact receive size (True) or take R*N rows without a host
             read (False).
+        topk_idx_dtype: the dtype V2 was built to take ids in (``deep_ep.topk_idx_t``: int64
+            unless DeepEP was built with EP_NUM_TOPK_IDX_BITS=32).
     """
 
     activation_format = ActivationFormat.STANDARD
     _needs = ("dispatch", "combine", "get_buffer_size_hint")
 
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int,
-                 max_tokens_per_rank: int | None = None, do_cpu_sync: bool = True) -> None:
+                 max_tokens_per_rank: int | None = None, do_cpu_sync: bool = True,
+                 topk_idx_dtype: torch.dtype = torch.int64) -> None:
         super().__init__(buffer, num_dispatchers)
         if isinstance(rank_expert_offset, bool) or not isinstance(rank_expert_offset, int) \
                 or rank_expert_offset < 0:
@@ -75,9 +78,12 @@ class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
         check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
         if not isinstance(do_cpu_sync, bool):
             raise ValueError(f"do_cpu_sync={do_cpu_sync!r} must be a bool")
+        if topk_idx_dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_idx_dtype={topk_idx_dtype} must be torch.int32 or torch.int64")
         self.rank_expert_offset = rank_expert_offset
         self.max_tokens_per_rank_ = max_tokens_per_rank
         self.do_cpu_sync = do_cpu_sync
+        self.topk_idx_dtype = topk_idx_dtype
         self.num_recv_tokens_per_expert: list[int] | None = None  # of the last prepare
 
     def max_num_tokens_per_rank(self) -> int:
@@ -89,7 +95,7 @@ class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
         topk_ids int32/int64 [M, k] global ids.
 
         Returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the rows received,
-        topk_ids int64 [M', k] GLOBAL ids of experts on this rank (-1 elsewhere and on rows past
+        topk_ids [M', k] (topk_idx_dtype) GLOBAL ids of experts on this rank (-1 elsewhere and on rows past
         the valid ones) and topk_weights f32 [M', k] (0 at -1). With do_cpu_sync the aligned
         per-local-expert counts are kept in ``num_recv_tokens_per_expert`` (else []).
         expert_map is not used: V2 places expert g on rank g // E_l.
@@ -100,7 +106,7 @@ class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
         check_experts_per_rank(num_experts, self._num_dispatchers)
         a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input)
         a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
-        ids = topk_ids.to(torch.int64).contiguous()  # V2 takes deep_ep.topk_idx_t (int64)
+        ids = topk_ids.to(self.topk_idx_dtype).contiguous()
         (recv_q, recv_s), recv_ids, recv_w, handle, _ = self.buffer.dispatch(
             (a1q, a1s), topk_idx=ids, topk_weights=topk_weights.float().contiguous(),
             num_experts=num_experts, num_max_tokens_per_rank=n, do_cpu_sync=self.do_cpu_sync)
