@@ -1,0 +1,227 @@
+"""vLLM's FusedMoEKernel running this library's prepare/finalize and experts (the adapters of
+vllm_moe_fixes.integrations.vllm) against our own FusedMoEModularKernel: bit for bit on CPU, where
+both take the same torch references. Also the adapters' mappings (N = 2I, finalize's reduction,
+ids) and their refusals. Skipped where vllm does not import."""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
+from vllm.model_executor.layers.fused_moe.config import (  # noqa: E402
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    RoutingMethodType,
+    fp8_w8a8_moe_quant_config,
+)
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # noqa: E402
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceDelegate,
+    TopKWeightAndReduceNaiveBatched,
+    TopKWeightAndReduceNoOP,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa: E402
+    kFp8Dynamic128Sym,
+    kFp8DynamicTensorSym,
+    kFp8Static128BlockSym,
+    kFp8StaticTensorSym,
+)
+
+from vllm_moe_fixes.fused_moe import (  # noqa: E402
+    FusedMoEModularKernel,
+    NoEPPrepareAndFinalize,
+    TritonExperts,
+    fused_topk,
+)
+from vllm_moe_fixes.integrations.vllm import (  # noqa: E402
+    VllmBatchedTritonExperts,
+    VllmDeepEPLLPrepareAndFinalize,
+    VllmNoEPPrepareAndFinalize,
+    VllmTritonExperts,
+)
+from vllm_moe_fixes.testing import random_fp8_moe_weights  # noqa: E402
+
+K, I = 256, 128
+
+
+def moe_config(E, k, local_experts=None, parallel=None, **changes):
+    fields = dict(
+        num_experts=E, experts_per_token=k, hidden_dim=K, intermediate_size=I,
+        num_local_experts=local_experts or E, num_logical_experts=E,
+        activation=MoEActivation.SILU, device="cpu", routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=parallel or FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=torch.bfloat16, intermediate_size_per_partition=I)
+    return FusedMoEConfig(**{**fields, **changes})
+
+
+def block_quant_config(w):
+    return fp8_w8a8_moe_quant_config(w1_scale=w.w1_scale, w2_scale=w.w2_scale,
+                                     block_shape=[128, 128])
+
+
+def problem(M, E, k, seed, E_l=None):
+    g = torch.Generator().manual_seed(seed)
+    w = random_fp8_moe_weights(E_l or E, K, I, generator=g)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    tw, ti = fused_topk(torch.randn(M, E, generator=g), k, renormalize=True)
+    return w, x, tw, ti
+
+
+def vllm_kernel(w, E, k, E_l=None):
+    return mk.FusedMoEKernel(VllmNoEPPrepareAndFinalize(),
+                             VllmTritonExperts(moe_config(E, k, E_l), block_quant_config(w)))
+
+
+@pytest.mark.parametrize("M,E,k,ids_dtype", [(1, 8, 2, torch.int32), (37, 8, 2, torch.int64),
+                                             (130, 16, 4, torch.int32), (5, 8, 1, torch.int64)])
+def test_vllm_kernel_with_adapters_equals_ours(M, E, k, ids_dtype):
+    w, x, tw, ti = problem(M, E, k, seed=M + E)
+    ti = ti.to(ids_dtype)
+    out = vllm_kernel(w, E, k).apply(x, w.w1, w.w2, tw, ti, MoEActivation.SILU, E, None, False)
+    ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())(
+        x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale, global_num_experts=E)
+    assert out.dtype == torch.bfloat16 and out.shape == (M, K)
+    assert out.abs().sum() > 0
+    assert torch.equal(out, ours)
+
+
+def test_expert_map_and_router_weight_on_input_equal_ours():
+    """Expert parallelism inside tensor parallelism (vLLM's no-all-to-all EP): 4 of 8 experts
+    local, global ids mapped by expert_map; and k = 1 with the weight applied on the input."""
+    E, E_l, M = 8, 4, 23
+    expert_map = torch.full((E,), -1, dtype=torch.int32)
+    expert_map[4:] = torch.arange(E_l, dtype=torch.int32)
+    for k, on_input in ((3, False), (1, True)):
+        w, x, tw, ti = problem(M, E, k, seed=k, E_l=E_l)
+        ti = ti.to(torch.int32)
+        out = vllm_kernel(w, E, k, E_l).apply(x, w.w1, w.w2, tw, ti, MoEActivation.SILU, E,
+                                              expert_map, on_input)
+        ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())(
+            x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale,
+            global_num_experts=E, expert_map=expert_map, apply_router_weight_on_input=on_input)
+        assert out.abs().sum() > 0
+        assert torch.equal(out, ours)
+
+
+def test_workspace_shapes_take_vllms_n_as_2i():
+    w, *_ = problem(4, 8, 2, seed=0)
+    ex = VllmTritonExperts(moe_config(8, 2), block_quant_config(w))
+    got = ex.workspace_shapes(64, 2 * I, K, 2, 8, 8, None, MoEActivation.SILU)
+    assert got == TritonExperts().workspace_shapes(64, I, K, 2, 8)
+    assert got[2] == (64, K)  # the layer's output shape: vLLM lets the experts write it
+
+
+def test_finalize_maps_weight_and_reduce_impl():
+    """NoOP: the experts reduced (output copied unless it is the same tensor); Contiguous and
+    Delegate: [M*k, K] rows summed with the weights in float32; others refused."""
+    M, k = 6, 3
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(M * k, K, generator=g).bfloat16()
+    tw = torch.rand(M, k, generator=g)
+    ti = torch.randint(0, 8, (M, k), generator=g, dtype=torch.int32)
+    want = (rows.float().view(M, k, K) * tw[..., None]).sum(1).bfloat16()
+    pf = VllmNoEPPrepareAndFinalize()
+    for impl in (TopKWeightAndReduceContiguous(), TopKWeightAndReduceDelegate()):
+        out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
+        pf.finalize(out, rows.clone(), tw, ti, False, impl)
+        assert torch.equal(out, want)
+    reduced = rows[:M].clone()
+    out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
+    pf.finalize(out, reduced, tw, ti, False, TopKWeightAndReduceNoOP())
+    assert torch.equal(out, reduced)
+    with pytest.raises(ValueError, match="NaiveBatched"):
+        pf.finalize(out, rows, tw, ti, False, TopKWeightAndReduceNaiveBatched(rank=0))
+
+
+def test_supports_declare_what_the_experts_serve():
+    std = mk.FusedMoEActivationFormat.Standard
+    batched = mk.FusedMoEActivationFormat.BatchedExperts
+    cfg = moe_config(8, 2)
+    block = (kFp8Static128BlockSym, kFp8Dynamic128Sym)
+    ok, reason = VllmTritonExperts.is_supported_config(VllmTritonExperts, cfg, *block, std)
+    assert ok, reason
+    for keys in ((kFp8StaticTensorSym, kFp8DynamicTensorSym), (None, None)):
+        ok, reason = VllmTritonExperts.is_supported_config(VllmTritonExperts, cfg, *keys, std)
+        assert not ok and "quantization scheme" in reason
+    ok, reason = VllmTritonExperts.is_supported_config(VllmTritonExperts, cfg, *block, batched)
+    assert not ok
+    gelu = moe_config(8, 2)
+    gelu.activation = MoEActivation.GELU
+    ok, reason = VllmTritonExperts.is_supported_config(VllmTritonExperts, gelu, *block, std)
+    assert not ok and "activation" in reason
+    # the batched experts serve vLLM's deepep_low_latency all-to-all only
+    ok, reason = VllmBatchedTritonExperts.is_supported_config(VllmBatchedTritonExperts, cfg,
+                                                              *block, batched)
+    assert not ok and "parallel config" in reason
+    assert not VllmTritonExperts._supports_shape(K + 64)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(has_bias=True), "bias"),
+    (dict(in_dtype=torch.float16), "float16"),
+    (dict(moe_backend="triton"), "moe_backend"),
+    (dict(intermediate_size=192, intermediate_size_per_partition=192), "multiples of 128"),
+])
+def test_unserved_reason_names_what_is_not_served(change, match):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    with set_current_vllm_config(VllmConfig()):
+        assert VllmTritonExperts.unserved_reason(moe_config(8, 2)) is None
+        cfg = moe_config(8, 2, **change)
+        assert match in VllmTritonExperts.unserved_reason(cfg)
+
+
+def test_refusals_raise_before_running():
+    w, x, tw, ti = problem(4, 8, 2, seed=3)
+    per_tensor = fp8_w8a8_moe_quant_config(w1_scale=torch.ones(8), w2_scale=torch.ones(8))
+    with pytest.raises(ValueError, match="block_shape"):
+        VllmTritonExperts(moe_config(8, 2), per_tensor)
+    qc = block_quant_config(w)
+    pf = VllmNoEPPrepareAndFinalize()
+    with pytest.raises(ValueError, match="defer_input_quant"):
+        pf.prepare(x, tw, ti, 8, None, False, qc, True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        pf.prepare(x.half(), tw, ti, 8, None, False, qc, False)
+    with pytest.raises(ValueError, match="static activation scales"):
+        pf.prepare(x, tw, ti, 8, None, False, fp8_w8a8_moe_quant_config(
+            w1_scale=w.w1_scale, w2_scale=w.w2_scale, a1_scale=torch.ones(1),
+            block_shape=[128, 128]), False)
+    ex = VllmTritonExperts(moe_config(8, 2), qc)
+    a1q, a1s, *_ = pf.prepare(x, tw, ti, 8, None, False, qc, False)
+    ws = [torch.empty(s, dtype=torch.bfloat16) for s in ex.workspace_shapes(
+        4, 2 * I, K, 2, 8, 8, None, MoEActivation.SILU)]
+    with pytest.raises(ValueError, match="silu"):
+        ex.apply(ws[2], a1q, w.w1, w.w2, tw, ti, MoEActivation.GELU, 8, None, a1s, None,
+                 ws[0], ws[1], None, False)
+    with pytest.raises(ValueError, match="a2_scale"):
+        ex.apply(ws[2], a1q, w.w1, w.w2, tw, ti, MoEActivation.SILU, 8, None, a1s,
+                 torch.ones(1), ws[0], ws[1], None, False)
+    with pytest.raises(ValueError, match="w1_scale"):  # weights of another layer's shape
+        w4 = random_fp8_moe_weights(4, K, I)
+        ex.apply(ws[2], a1q, w4.w1, w4.w2, tw, ti, MoEActivation.SILU, 8, None, a1s, None,
+                 ws[0], ws[1], None, False)
+
+
+def test_low_latency_refuses_routing_tables_and_a_small_buffer():
+    from vllm_moe_fixes.distributed.deepep_sizing import deepep_ll_rdma_bytes
+
+    class Buffer:  # what check_deepep_buffer reads of a deep_ep.Buffer
+        group_size, low_latency_mode, num_nvl_bytes = 1, True, 0
+        num_rdma_bytes = deepep_ll_rdma_bytes(128, 2048, 1, 8) - 1
+
+        def low_latency_dispatch(self):
+            pass
+
+        def low_latency_combine(self):
+            pass
+
+    args = dict(max_tokens_per_rank=128, num_dispatchers=1, hidden=2048, num_experts=8)
+    with pytest.raises(ValueError, match="routing tables"):
+        VllmDeepEPLLPrepareAndFinalize(Buffer(), **args, global_to_physical=torch.arange(8))
+    with pytest.raises(ValueError, match="num_rdma_bytes"):
+        VllmDeepEPLLPrepareAndFinalize(Buffer(), **args)
+    Buffer.num_rdma_bytes += 1
+    VllmDeepEPLLPrepareAndFinalize(Buffer(), **args)
+    with pytest.raises(ValueError, match="hidden=256"):  # no low-latency kernel for it
+        VllmDeepEPLLPrepareAndFinalize(Buffer(), **{**args, "hidden": 256})

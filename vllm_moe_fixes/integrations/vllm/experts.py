@@ -1,0 +1,259 @@
+"""This library's experts behind vLLM's ``FusedMoEExpertsModular``.
+
+    vLLM                                        adapter                  ours
+    cls(moe_config, quant_config,               w1/w2 scales <- quant_config.w1_scale/w2_scale
+        max_num_tokens, num_dispatchers)        (checked once per weight pair)
+    workspace_shapes(M, N=2I, K, topk, E, E_l,  -> N // 2 = I            workspace_shapes(M, I,
+                     meta, activation)                                   K, topk, E_l)
+    apply(out, a1q, w1, w2, w, ids, act, E,     -> scales, "silu",       apply(out, a1q, a1q_scale,
+          map, a1q_scale, a2_scale, ws13, ws2,     counts from meta,     w1, w2, w1_s, w2_s, ids,
+          meta, on_input)                          expected_m            map, ...)
+    finalize_weight_and_reduce_impl()           TopKWeightAndReduceNoOP (contiguous experts: they
+                                                weight and sum the k slots into [M, K]) or
+                                                ...Delegate (batched: the combine reduces)
+
+vLLM hands the experts fresh workspace views on every call (its WorkspaceManager, or plain
+tensors on CPU); when the output shape is the layer's, vLLM passes the layer's output itself.
+
+``_supports_*`` (what vLLM's ``is_supported_config`` asks) declare exactly what the classes serve:
+block FP8 128x128 weights with dynamic 1x128 FP8 activations, SiLU with a gate/up multiply,
+hidden sizes multiples of 128, CUDA (Triton, or DeepGEMM on SM90) or CPU (the torch references,
+Triton classes only), one rank or DeepEP high-throughput (standard) / DeepEP low-latency
+(batched), no EPLB. ``unserved_reason`` adds what ``is_supported_config`` cannot see (intermediate
+size, bias, LoRA, micro-batching...).
+"""
+
+from __future__ import annotations
+
+import torch
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+    TopKWeightAndReduceDelegate,
+    TopKWeightAndReduceNoOP,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import (
+    kFp8Dynamic128Sym,
+    kFp8Static128BlockSym,
+)
+from vllm.platforms import current_platform
+
+from vllm_moe_fixes import fused_moe as ours
+from vllm_moe_fixes.integrations.vllm.support import (
+    moe_config_problem,
+    parallel_config_problem,
+    quant_config_problem,
+)
+from vllm_moe_fixes.ops import FP8_DTYPE, SCALE_BLOCK
+from vllm_moe_fixes.sizes import expected_rows_per_expert
+
+
+def _deep_gemm_usable() -> bool:
+    """Whether this library's DeepGEMM experts can be built here (DeepGEMM importable, SM90)."""
+    try:
+        ours.DeepGemmExperts()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _check_weights(w1, w2, w1_scale, w2_scale) -> None:
+    """ValueError unless w1 fp8 [E_l, 2I, K], w2 fp8 [E_l, K, I] (contiguous, I and K multiples
+    of 128) and the scales float32 [E_l, 2I/128, K/128] / [E_l, K/128, I/128]."""
+    if not (w1.dim() == 3 and w1.dtype == FP8_DTYPE and w2.dtype == FP8_DTYPE
+            and w1.is_contiguous() and w2.is_contiguous()):
+        raise ValueError(f"w1 and w2 must be contiguous float8_e4m3fn, got {w1.dtype} "
+                         f"{tuple(w1.shape)} and {w2.dtype} {tuple(w2.shape)}")
+    e_l, two_i, k = w1.shape
+    i = two_i // 2
+    if two_i % 2 or i % SCALE_BLOCK or k % SCALE_BLOCK or tuple(w2.shape) != (e_l, k, i):
+        raise ValueError(f"w1 must be [E_l, 2I, K] and w2 [E_l, K, I] with I and K multiples of "
+                         f"{SCALE_BLOCK}, got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    for name, s, want in (("w1_scale", w1_scale, (e_l, two_i // SCALE_BLOCK, k // SCALE_BLOCK)),
+                          ("w2_scale", w2_scale, (e_l, k // SCALE_BLOCK, i // SCALE_BLOCK))):
+        if not (s.dtype == torch.float32 and tuple(s.shape) == want):
+            raise ValueError(f"quant_config.{name} must be float32 {want} (128x128 blocks), got "
+                             f"{s.dtype} {tuple(s.shape)}")
+
+
+class _VllmExperts(mk.FusedMoEExpertsModular):
+    """What the four adapters share; subclasses name ``_ours`` (our Experts class) and
+    ``_batched``."""
+
+    _ours: type
+    _batched: bool = False
+    _needs_deep_gemm: bool = False
+
+    def __init__(self, moe_config, quant_config, max_num_tokens=None,
+                 num_dispatchers=None) -> None:
+        super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers)
+        problem = quant_config_problem(quant_config)
+        if problem is not None:
+            raise ValueError(f"{type(self).__name__} serves block-FP8 128x128 layers: {problem}")
+        self.experts = self._ours()
+        self._checked = (None, None)  # the (w1, w2) whose shapes were checked last
+
+    # --- what vLLM's is_supported_config asks
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        raise NotImplementedError  # each subclass answers
+
+    @classmethod
+    def _supports_device(cls) -> bool:
+        if cls._needs_deep_gemm:
+            return current_platform.is_cuda() and _deep_gemm_usable()
+        return current_platform.is_cuda() or current_platform.is_cpu()
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) == (kFp8Static128BlockSym, kFp8Dynamic128Sym)
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_shape(hidden_dim: int) -> bool:
+        return hidden_dim % SCALE_BLOCK == 0
+
+    @classmethod
+    def unserved_reason(cls, moe_config) -> str | None:
+        """What about the layer ``moe_config`` describes this class does not serve, beyond
+        ``is_supported_config`` (sizes, bias, LoRA, DBO, placement; batched DeepGEMM's slice
+        rows), or None."""
+        problem = moe_config_problem(moe_config)
+        if problem is None:
+            problem = parallel_config_problem(moe_config.moe_parallel_config, cls._batched)
+        return problem
+
+    # --- the call
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
+                         expert_tokens_meta, activation):
+        """vLLM's N is w1's rows, 2I; ours take I."""
+        return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts)
+
+    def _check_call(self, w1, w2, activation, a2_scale) -> None:
+        if activation != MoEActivation.SILU:
+            raise ValueError(f"activation {activation}: {type(self).__name__} runs silu only")
+        if a2_scale is not None:
+            raise ValueError("a2_scale is set: these experts quantise the second GEMM's input "
+                             "at run time (1x128 groups)")
+        if self._checked[0] is not w1 or self._checked[1] is not w2:
+            _check_weights(w1, w2, self.w1_scale, self.w2_scale)
+            self._checked = (w1, w2)
+
+
+class _ContiguousExperts(_VllmExperts):
+    """Standard layout: the experts weight and sum the k slots into the layer's [M, K]."""
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return parallel_config_problem(moe_parallel_config, batched=False) is None
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceNoOP()
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input) -> None:
+        """output bf16 [M, K] <- sum over the k slots of weight * expert(hidden_states); slots
+        whose expert is not local (expert_map -1, or id -1) add 0. hidden_states fp8 [M, K],
+        a1q_scale f32 [M, K/128]; topk_ids int32/int64 [M, k] global ids; expert_map int32 [E]
+        or None."""
+        self._check_call(w1, w2, activation, a2_scale)
+        self.experts.apply(output, hidden_states, a1q_scale, w1, w2, self.w1_scale,
+                           self.w2_scale, topk_ids, expert_map, "silu", workspace13, workspace2,
+                           None, topk_weights=None if apply_router_weight_on_input
+                           else topk_weights)
+
+
+class _BatchedExperts(_VllmExperts):
+    """Batched layout [E_l, T, K] of the low-latency dispatch; the combine weights and reduces."""
+
+    _batched = True
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.BatchedExperts
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return parallel_config_problem(moe_parallel_config, batched=True) is None
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceDelegate()
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input) -> None:
+        """output bf16 [E_l, T, K] (valid rows written) from hidden_states fp8 [E_l, T, K],
+        a1q_scale f32 [E_l, T, K/128] and expert_tokens_meta.expert_num_tokens int32 [E_l]."""
+        self._check_call(w1, w2, activation, a2_scale)
+        if expert_tokens_meta is None or expert_tokens_meta.expert_num_tokens is None:
+            raise ValueError("batched experts need expert_tokens_meta.expert_num_tokens")
+        t = hidden_states.shape[1]
+        expected_m = expected_rows_per_expert(self.max_num_tokens, self.num_dispatchers,
+                                              topk_ids.shape[1], global_num_experts, t)
+        self.experts.apply(output, hidden_states, a1q_scale, w1, w2, self.w1_scale,
+                           self.w2_scale, topk_ids, expert_map, "silu", workspace13, workspace2,
+                           expert_tokens_meta.expert_num_tokens, expected_m=expected_m)
+
+
+class VllmTritonExperts(_ContiguousExperts):
+    """``TritonExperts`` (Triton grouped FP8 GEMMs on CUDA, torch references on CPU)."""
+
+    _ours = ours.TritonExperts
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return VllmTritonExperts._supports_device()
+
+
+class VllmDeepGemmExperts(_ContiguousExperts):
+    """``DeepGemmExperts`` (DeepGEMM's contiguous grouped GEMM, SM90)."""
+
+    _ours = ours.DeepGemmExperts
+    _needs_deep_gemm = True
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return VllmDeepGemmExperts._supports_device()
+
+
+class VllmBatchedTritonExperts(_BatchedExperts):
+    """``BatchedTritonExperts`` (Triton masked grouped FP8 GEMMs; torch references on CPU)."""
+
+    _ours = ours.BatchedTritonExperts
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return VllmBatchedTritonExperts._supports_device()
+
+
+class VllmBatchedDeepGemmExperts(_BatchedExperts):
+    """``BatchedDeepGemmExperts`` (DeepGEMM's masked grouped GEMM; slices of a multiple of 128
+    rows)."""
+
+    _ours = ours.BatchedDeepGemmExperts
+    _needs_deep_gemm = True
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return VllmBatchedDeepGemmExperts._supports_device()
+
+    @classmethod
+    def unserved_reason(cls, moe_config) -> str | None:
+        problem = super().unserved_reason(moe_config)
+        rows = moe_config.max_num_tokens * moe_config.moe_parallel_config.ep_size
+        if problem is None and rows % cls._ours.ROW_ALIGNMENT:
+            problem = (f"T = ep_size * max_num_tokens = {rows} rows per expert slice is not a "
+                       f"multiple of {cls._ours.ROW_ALIGNMENT} (DeepGEMM's masked GEMM)")
+        return problem

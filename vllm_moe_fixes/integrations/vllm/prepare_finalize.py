@@ -1,0 +1,241 @@
+"""This library's prepare/finalize classes behind vLLM's ``FusedMoEPrepareAndFinalizeModular``.
+
+    vLLM's FusedMoEKernel                 adapter                      ours
+    prepare(a1, w, ids, E, map, on_input,  -> check quant_config   -> prepare(...) -> PrepareResult
+            quant_config, defer)           <- (a1q, a1q_scale, ExpertTokensMetadata|None, ids|None,
+                                               weights|None)
+    finalize(out, fused, w, ids, on_input, -> NoOP: reduced           finalize(...,
+             weight_and_reduce_impl)          Contiguous / Delegate:   output_is_reduced=...)
+                                              unreduced [M', k, K]
+
+vLLM's conventions that differ from ours, translated here:
+- ``finalize`` learns from the experts' ``TopKWeightAndReduce`` whether they already weighted
+  and summed the k slots (NoOP) or left [M', k, K] (Contiguous; Delegate on the standard layout);
+  ours take ``output_is_reduced``. The low-latency combine always weights and reduces: it takes
+  Delegate only, as vLLM's own does.
+- High-throughput prepare returns vLLM's ids: an id the dispatch marked -1 (expert elsewhere)
+  becomes a global id of another rank (E - 1 on rank 0, else 0), which the layer's expert_map
+  maps to -1. Ours mean the same with -1.
+- ``ExpertTokensMetadata`` is built directly (its ``make_from_list`` pins host memory, which
+  fails without an accelerator).
+
+Quantisation parameters come in ``quant_config``; a configuration other than block FP8 128x128 with
+dynamic 1x128 activations raises ValueError naming what differs. Not served, and refused by
+returning ``supports_async() == False`` (vLLM then runs shared experts after the layer and
+asserts that micro-batching is off): async prepare/finalize. EPLB routing tables are refused at
+construction.
+"""
+
+from __future__ import annotations
+
+import torch
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceDelegate,
+    TopKWeightAndReduceNoOP,
+)
+
+from vllm_moe_fixes.fused_moe import (
+    DeepEPHTPrepareAndFinalize,
+    DeepEPLLPrepareAndFinalize,
+    NoEPPrepareAndFinalize,
+)
+from vllm_moe_fixes.integrations.vllm.support import check_deepep_buffer, quant_config_problem
+from vllm_moe_fixes.ops import SCALE_BLOCK
+
+
+def _check_prepare_inputs(a1: torch.Tensor, quant_config, defer_input_quant: bool) -> None:
+    """The checks our modular kernel makes at its edge, for what vLLM hands prepare."""
+    problem = quant_config_problem(quant_config)
+    if problem is not None:
+        raise ValueError(f"vllm_moe_fixes prepare/finalize serves block-FP8 128x128 layers: "
+                         f"{problem}")
+    if defer_input_quant:
+        raise ValueError("defer_input_quant=True: this prepare/finalize always quantises the "
+                         "input (pair it with experts that take FP8 activations)")
+    if not (a1.dim() == 2 and a1.dtype == torch.bfloat16 and a1.shape[1] % SCALE_BLOCK == 0
+            and (a1.stride(1) == 1 or a1.shape[1] <= 1)):
+        raise ValueError(f"a1 must be bfloat16 [M, K] with contiguous channels and K a multiple "
+                         f"of {SCALE_BLOCK}, got {a1.dtype} {tuple(a1.shape)} strides "
+                         f"{a1.stride()}")
+
+
+def output_is_reduced(weight_and_reduce_impl: mk.TopKWeightAndReduce) -> bool:
+    """Whether the experts that chose ``weight_and_reduce_impl`` already weighted and summed the
+    k slots (NoOP) or left them to finalize (Contiguous, Delegate)."""
+    if isinstance(weight_and_reduce_impl, TopKWeightAndReduceNoOP):
+        return True
+    if isinstance(weight_and_reduce_impl, (TopKWeightAndReduceContiguous,
+                                           TopKWeightAndReduceDelegate)):
+        return False
+    raise ValueError(f"weight_and_reduce_impl={type(weight_and_reduce_impl).__name__}: a "
+                     "standard-layout finalize takes TopKWeightAndReduceNoOP, ...Contiguous or "
+                     "...Delegate")
+
+
+def _unreduced_view(fused_expert_output: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """[M', k, K] view of an unreduced experts output given as [M' * k, K] or [M', k, K]."""
+    m, k = topk_ids.shape
+    return fused_expert_output.view(m, k, fused_expert_output.shape[-1])
+
+
+class _StandardAdapter(mk.FusedMoEPrepareAndFinalizeModular):
+    """What the two standard-layout adapters share: format, finalize's reduction mapping."""
+
+    def __init__(self, ours) -> None:
+        super().__init__()
+        self.ours = ours
+
+    @property
+    def activation_format(self) -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        return None
+
+    def num_dispatchers(self) -> int:
+        return self.ours.num_dispatchers()
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input, weight_and_reduce_impl) -> None:
+        """output bf16 [M, K] (written); fused_expert_output [M', K] reduced (NoOP, possibly
+        ``output`` itself) or [M', k, K] / [M' * k, K] unreduced; topk_weights f32 / topk_ids
+        [M', k] as prepare returned them (else the router's)."""
+        reduced = output_is_reduced(weight_and_reduce_impl)
+        if not reduced:
+            fused_expert_output = _unreduced_view(fused_expert_output, topk_ids)
+        self.ours.finalize(output, fused_expert_output, topk_weights, topk_ids,
+                           apply_router_weight_on_input, output_is_reduced=reduced)
+
+
+class VllmNoEPPrepareAndFinalize(_StandardAdapter):
+    """``NoEPPrepareAndFinalize`` for vLLM: one rank, quantise in, weighted sum out (nothing to do
+    when the experts reduced into the layer's output)."""
+
+    def __init__(self) -> None:
+        super().__init__(NoEPPrepareAndFinalize())
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return None
+
+    def output_is_reduced(self) -> bool:
+        return False  # no all-reduce across ranks happened (vLLM's tensor parallel one follows)
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input, quant_config, defer_input_quant=False):
+        """a1 bf16 [M, K] -> (a1q fp8 [M, K], a1q_scale f32 [M, K/128], None, None, None)."""
+        _check_prepare_inputs(a1, quant_config, defer_input_quant)
+        res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                apply_router_weight_on_input)
+        return res.a1q, res.a1q_scale, None, None, None
+
+
+class VllmDeepEPHTPrepareAndFinalize(_StandardAdapter):
+    """``DeepEPHTPrepareAndFinalize`` for vLLM over vLLM's high-throughput DeepEP buffer.
+
+    Arguments (what vLLM's ``maybe_make_prepare_finalize`` knows):
+        buffer: the ``deep_ep.Buffer`` of vLLM's all2all manager (or a ``TorchAll2AllBuffer``).
+        num_dispatchers: ranks of the expert-parallel group (R).
+        rank_expert_offset: this rank's first global expert id (rank * E_l).
+        hidden: K; num_experts: global E. With them, DeepEP's refusals and the NVLink / RDMA
+            sizes run against ``buffer`` here, before the first forward (``check_deepep_buffer``).
+    """
+
+    def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int, hidden: int,
+                 num_experts: int) -> None:
+        check_deepep_buffer(buffer, low_latency=False, num_ranks=num_dispatchers, hidden=hidden,
+                            num_experts=num_experts)
+        super().__init__(DeepEPHTPrepareAndFinalize(
+            buffer, num_dispatchers=num_dispatchers, rank_expert_offset=rank_expert_offset))
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return torch.int64
+
+    def output_is_reduced(self) -> bool:
+        return True
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input, quant_config, defer_input_quant=False):
+        """a1 bf16 [M, K] -> the M' tokens received: (a1q fp8 [M', K], a1q_scale f32
+        [M', K/128], ExpertTokensMetadata (int32 [E_l] received per local expert, on the device
+        and on the host), topk_ids int64 [M', k] global ids in vLLM's convention (module
+        docstring), topk_weights f32 [M', k] (0 where the expert is elsewhere))."""
+        _check_prepare_inputs(a1, quant_config, defer_input_quant)
+        res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                apply_router_weight_on_input)
+        elsewhere = num_experts - 1 if self.ours.rank_expert_offset == 0 else 0
+        ids = torch.where(res.topk_ids >= 0, res.topk_ids, elsewhere)
+        counts = torch.tensor(self.ours.num_recv_tokens_per_expert, dtype=torch.int32)
+        meta = mk.ExpertTokensMetadata(expert_num_tokens=counts.to(res.a1q.device),
+                                       expert_num_tokens_cpu=counts)
+        return res.a1q, res.a1q_scale, meta, ids, res.topk_weights
+
+
+class VllmDeepEPLLPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
+    """``DeepEPLLPrepareAndFinalize`` for vLLM over vLLM's low-latency DeepEP buffer; batched
+    layout [E_l, R*N, K]; FP8 dispatch (DeepEP's cast, 1x128 groups).
+
+    Arguments:
+        buffer: the low-latency ``deep_ep.Buffer`` of vLLM's all2all manager (or a
+            ``TorchAll2AllBuffer(low_latency_mode=True)``).
+        max_tokens_per_rank: N, vLLM's ``moe.max_num_tokens``.
+        num_dispatchers: R.
+        hidden: K; num_experts: global E (checked against the buffer with DeepEP's rules).
+        global_to_physical / physical_to_global / local_expert_global_ids: vLLM's EPLB or
+            round-robin routing tables; not served (ValueError when given).
+    """
+
+    def __init__(self, buffer, *, max_tokens_per_rank: int, num_dispatchers: int, hidden: int,
+                 num_experts: int, global_to_physical=None, physical_to_global=None,
+                 local_expert_global_ids=None) -> None:
+        super().__init__()
+        if any(t is not None for t in (global_to_physical, physical_to_global,
+                                       local_expert_global_ids)):
+            raise ValueError("vllm_moe_fixes low-latency prepare/finalize: routing tables (EPLB "
+                             "or round-robin placement) are not served yet; experts must sit "
+                             "linearly (expert g on rank g // E_l)")
+        check_deepep_buffer(buffer, low_latency=True, num_ranks=num_dispatchers, hidden=hidden,
+                            num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank)
+        self.ours = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=num_dispatchers,
+                                               max_tokens_per_rank=max_tokens_per_rank,
+                                               use_fp8_dispatch=True)
+
+    @property
+    def activation_format(self) -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.BatchedExperts
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return torch.int64
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        return self.ours.max_num_tokens_per_rank()
+
+    def num_dispatchers(self) -> int:
+        return self.ours.num_dispatchers()
+
+    def output_is_reduced(self) -> bool:
+        return True
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input, quant_config, defer_input_quant=False):
+        """a1 bf16 [M, K] (M <= N) -> (a1q fp8 [E_l, R*N, K], a1q_scale f32 [E_l, R*N, K/128]
+        MN-major per expert, ExpertTokensMetadata (int32 [E_l] valid rows, device only), None,
+        None); rows past a count are undefined."""
+        _check_prepare_inputs(a1, quant_config, defer_input_quant)
+        res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                apply_router_weight_on_input)
+        meta = mk.ExpertTokensMetadata(expert_num_tokens=res.expert_num_tokens,
+                                       expert_num_tokens_cpu=None)
+        return res.a1q, res.a1q_scale, meta, None, None
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input, weight_and_reduce_impl) -> None:
+        """fused_expert_output bf16 [E_l, R*N, K] -> combined, weighted and reduced into output
+        bf16 [M, K] (contiguous)."""
+        if not isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
+            raise ValueError(f"weight_and_reduce_impl={type(weight_and_reduce_impl).__name__}: "
+                             "the low-latency combine weights and reduces, so the batched "
+                             "experts must return TopKWeightAndReduceDelegate")
+        self.ours.finalize(output, fused_expert_output, topk_weights, topk_ids,
+                           apply_router_weight_on_input)

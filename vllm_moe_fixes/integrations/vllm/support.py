@@ -1,0 +1,145 @@
+"""What the adapters serve inside vLLM, as checks that return the reason for a refusal.
+
+Each ``*_problem`` function returns None when this library's kernels serve the configuration and
+otherwise one sentence saying what they do not serve; the plugin then leaves the layer to vLLM's
+own kernels and logs that sentence, and the adapters raise it as a ValueError when they are built
+directly on such a configuration. ``check_deepep_buffer`` runs this library's DeepEP sizing rules
+against the buffer vLLM built.
+
+Served: block-FP8 weights in 128x128 blocks with float32 scales, activations quantised per 1x128
+group at run time (no static input scales), SiLU-and-mul on a packed [gate; up] w13, bf16
+activations, hidden and intermediate sizes multiples of 128, no bias, LoRA, EPLB, micro-batching
+(DBO) or non-linear expert placement; prepare/finalize: one rank, or vLLM's DeepEP high-throughput /
+low-latency all-to-all.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    FusedMoEQuantConfig,
+)
+
+from vllm_moe_fixes.distributed.deepep_sizing import (
+    check_high_throughput_config,
+    check_low_latency_config,
+)
+from vllm_moe_fixes.ops import FP8_DTYPE, SCALE_BLOCK
+
+BLOCK_SHAPE = [SCALE_BLOCK, SCALE_BLOCK]
+
+
+def quant_config_problem(quant_config: FusedMoEQuantConfig | None) -> str | None:
+    """Why ``quant_config`` is not block-FP8 128x128 with dynamic 1x128 activations, or None."""
+    if quant_config is None:
+        return "the layer is not quantised (no FusedMoEQuantConfig)"
+    if quant_config.quant_dtype != FP8_DTYPE or not quant_config.use_fp8_w8a8:
+        return f"activations/weights are not FP8 w8a8 (quant_dtype={quant_config.quant_dtype})"
+    if quant_config.block_shape != BLOCK_SHAPE:
+        return f"block_shape={quant_config.block_shape}, not {BLOCK_SHAPE}"
+    if quant_config.per_act_token_quant or quant_config.per_out_ch_quant:
+        return "per-token or per-channel scales are asked for, not 1x128 groups / 128x128 blocks"
+    if quant_config.a1_scale is not None or quant_config.a2_scale is not None:
+        return "the layer has static activation scales (ours quantise activations at run time)"
+    for name in ("w1_bias", "w2_bias", "w1_zp", "w2_zp"):
+        if getattr(quant_config, name) is not None:
+            return f"quant_config.{name} is set (ours have no bias or zero point)"
+    for name in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"):
+        if getattr(quant_config, name) is not None:
+            return f"quant_config.{name} is set (ours run plain SiLU-and-mul)"
+    for name in ("w1_scale", "w2_scale"):
+        scale = getattr(quant_config, name)
+        if not (isinstance(scale, torch.Tensor) and scale.dtype == torch.float32
+                and scale.dim() == 3):
+            return (f"quant_config.{name} is not a float32 [E_l, rows/128, cols/128] tensor "
+                    f"(got {getattr(scale, 'dtype', type(scale).__name__)})")
+    return None
+
+
+def parallel_config_problem(cfg: FusedMoEParallelConfig, batched: bool) -> str | None:
+    """Why the experts of one layout (batched: DeepEP low-latency; else one rank or DeepEP
+    high-throughput) do not serve ``cfg``, or None."""
+    if cfg.enable_eplb:
+        return "EPLB is enabled (its routing tables are not served yet)"
+    if batched:
+        return None if cfg.use_deepep_ll_kernels else (
+            "the batched experts pair with vLLM's deepep_low_latency all-to-all only")
+    if cfg.use_deepep_ll_kernels:
+        return "deepep_low_latency takes the batched experts"
+    if cfg.use_passthrough_all2all or (cfg.use_all2all_kernels
+                                       and not cfg.use_deepep_ht_kernels):
+        return (f"all2all_backend={cfg.all2all_backend!r} is not served (ours: one rank, "
+                "deepep_high_throughput, deepep_low_latency)")
+    if not cfg.use_all2all_kernels and cfg.dp_size > 1:
+        return "data parallelism without expert parallelism (vLLM's all-gather path)"
+    return None
+
+
+def moe_config_problem(moe: FusedMoEConfig) -> str | None:
+    """Why the layer described by ``moe`` is not served, or None (the quantisation is checked by
+    ``quant_config_problem``, the parallel layout by ``parallel_config_problem``)."""
+    if moe.activation != MoEActivation.SILU or not moe.is_act_and_mul:
+        return f"activation {moe.activation.value} (ours: silu with a gate/up multiply)"
+    if moe.in_dtype != torch.bfloat16:
+        return f"activations are {moe.in_dtype} (ours: bfloat16)"
+    if moe.has_bias:
+        return "the experts have a bias"
+    if moe.is_lora_enabled:
+        return "LoRA is enabled"
+    if moe.moe_backend != "auto":
+        return f"moe_backend={moe.moe_backend!r} asks for one of vLLM's kernels"
+    for name in ("swiglu_limit", "swiglu_alpha", "swiglu_beta", "activation_situ_beta",
+                 "activation_situ_linear_beta"):
+        if getattr(moe, name, None) is not None:
+            return f"{name} is set (ours run plain SiLU-and-mul)"
+    intermediate = moe.intermediate_size_per_partition
+    if moe.hidden_dim % SCALE_BLOCK or intermediate % SCALE_BLOCK:
+        return (f"hidden size {moe.hidden_dim} and intermediate size per partition "
+                f"{intermediate} must be multiples of {SCALE_BLOCK}")
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None:  # a layer built outside an engine: no micro-batching, linear placement
+        return None
+    parallel = vllm_config.parallel_config
+    if parallel.use_ubatching:
+        return "micro-batching (DBO) needs async prepare/finalize, not served yet"
+    if parallel.expert_placement_strategy != "linear":
+        return (f"expert_placement_strategy={parallel.expert_placement_strategy!r} (ours place "
+                "expert g on rank g // E_l)")
+    return None
+
+
+def check_deepep_buffer(buffer, *, low_latency: bool, num_ranks: int, hidden: int,
+                        num_experts: int, max_tokens_per_rank: int | None = None) -> None:
+    """Raise ValueError, with the numbers, where the all-to-all buffer vLLM built cannot serve
+    this layer by this library's DeepEP rules (``deepep_sizing``): the rank count, hidden size
+    and expert split DeepEP v1.2.1 takes, and at least the NVLink / RDMA bytes its hints ask for.
+
+    buffer: a ``deep_ep.Buffer`` (or this library's ``TorchAll2AllBuffer``, which has no NVLink
+    buffer) over ``num_ranks`` ranks; max_tokens_per_rank: the low-latency dispatch's N.
+    """
+    if getattr(buffer, "group_size", num_ranks) != num_ranks:
+        raise ValueError(f"vLLM's DeepEP buffer spans {buffer.group_size} ranks, the layer's "
+                         f"all-to-all {num_ranks}")
+    if bool(getattr(buffer, "low_latency_mode", False)) != low_latency:
+        raise ValueError(f"vLLM's DeepEP buffer has low_latency_mode="
+                         f"{getattr(buffer, 'low_latency_mode', False)}; this prepare/finalize "
+                         f"needs {low_latency}")
+    rdma_bytes = getattr(buffer, "num_rdma_bytes", 0)
+    if low_latency:
+        need = check_low_latency_config(max_tokens_per_rank, hidden, num_ranks, num_experts)
+        what = (f"the low-latency dispatch of {max_tokens_per_rank} tokens per rank, "
+                f"hidden={hidden}, {num_ranks} ranks, {num_experts} experts")
+    else:
+        nvl_bytes = getattr(buffer, "num_nvl_bytes", None)
+        if nvl_bytes is None:  # TorchAll2AllBuffer: no NVLink buffer to size
+            return
+        need = check_high_throughput_config(hidden, num_ranks, num_experts, nvl_bytes)
+        what = f"high-throughput dispatch of hidden={hidden} over {num_ranks} ranks"
+    if rdma_bytes < need:
+        raise ValueError(f"vLLM's DeepEP buffer has num_rdma_bytes={rdma_bytes}; DeepEP needs "
+                         f"{need} for {what} (its size hint). vLLM sizes the high-throughput "
+                         "RDMA buffer from VLLM_DEEPEP_BUFFER_SIZE_MB: raise it")
