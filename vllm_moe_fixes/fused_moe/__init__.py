@@ -31,6 +31,7 @@ from vllm_moe_fixes.fused_moe.modular_kernel import (
 )
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import fused_topk
+from vllm_moe_fixes.fused_moe.workspaces import Workspaces
 from vllm_moe_fixes.testing import moe_reference
 
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
