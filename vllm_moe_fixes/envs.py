@@ -108,6 +108,10 @@ REGISTRY: dict[str, EnvVar] = {
                "check topk_ids / expert_map ranges of CUDA inputs at the layer's edge (one host "
                "sync per call; CPU inputs are always checked)",
                "0, 1, true, false"),
+        EnvVar("VLLM_MOE_FIXES", _parse_bool, False,
+               "vLLM plugin: vLLM's block-FP8 FusedMoE layers run this library's kernels "
+               "(vllm_moe_fixes.integrations.vllm)",
+               "0, 1, true, false"),
     )
 }
 

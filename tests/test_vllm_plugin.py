@@ -1,0 +1,159 @@
+"""The vllm.general_plugins hook: VLLM_MOE_FIXES unset changes nothing; set, vLLM's own FusedMoE
+layer (FusedMoEFactory + Fp8Config, block FP8 128x128) gets our prepare/finalize and experts and
+computes what our FusedMoEModularKernel computes, bit for bit on CPU. Skipped without vllm."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.model_executor.layers.quantization import fp8 as fp8_method  # noqa: E402
+from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa: E402
+    kFp8Dynamic128Sym,
+    kFp8Static128BlockSym,
+)
+
+from _dist import run_distributed  # noqa: E402
+from vllm_moe_fixes.integrations.vllm import plugin  # noqa: E402
+
+E, K, I, TOPK = 8, 256, 128, 2
+
+
+@pytest.fixture
+def restore_fp8_names(monkeypatch):
+    """Undo register()'s rebinding after the test."""
+    for name in ("select_fp8_moe_backend", "make_fp8_moe_kernel"):
+        monkeypatch.setattr(fp8_method, name, getattr(fp8_method, name))
+
+
+def test_entry_point_is_registered():
+    from importlib.metadata import entry_points
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("vllm_moe_fixes") == "vllm_moe_fixes.integrations.vllm.plugin:register"
+
+
+def test_unset_changes_nothing_and_imports_no_vllm(monkeypatch, restore_fp8_names):
+    monkeypatch.delenv("VLLM_MOE_FIXES", raising=False)
+    before = fp8_method.select_fp8_moe_backend, fp8_method.make_fp8_moe_kernel
+    plugin.register()
+    monkeypatch.setenv("VLLM_MOE_FIXES", "0")
+    plugin.register()
+    assert (fp8_method.select_fp8_moe_backend, fp8_method.make_fp8_moe_kernel) == before
+    code = ("import sys; from vllm_moe_fixes.integrations.vllm import plugin; plugin.register(); "
+            "print('vllm' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_MOE_FIXES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_set_rebinds_once(monkeypatch, restore_fp8_names):
+    monkeypatch.setenv("VLLM_MOE_FIXES", "1")
+    vllm_select = fp8_method.select_fp8_moe_backend
+    plugin.register()
+    wrapped = fp8_method.select_fp8_moe_backend, fp8_method.make_fp8_moe_kernel
+    assert wrapped[0] is not vllm_select and wrapped[0]._vllm_moe_fixes
+    plugin.register()  # vLLM may load plugins more than once
+    assert (fp8_method.select_fp8_moe_backend, fp8_method.make_fp8_moe_kernel) == wrapped
+
+
+def test_selector_leaves_unserved_layers_to_vllm(monkeypatch):
+    """Micro-batching (DBO) and per-tensor FP8 are not ours: the selector says why."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        kFp8DynamicTensorSym,
+        kFp8StaticTensorSym,
+    )
+
+    from test_vllm_adapters import moe_config
+    monkeypatch.delenv("VLLM_USE_DEEP_GEMM", raising=False)
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        cls, reason = plugin.experts_class_for(moe_config(E, TOPK), kFp8Static128BlockSym,
+                                               kFp8Dynamic128Sym)
+        assert cls.__name__ == "VllmTritonExperts" and reason is None
+        cls, reason = plugin.experts_class_for(moe_config(E, TOPK), kFp8StaticTensorSym,
+                                               kFp8DynamicTensorSym)
+        assert cls is None and "quantization scheme" in reason
+        config.parallel_config.enable_dbo = True
+        cls, reason = plugin.experts_class_for(moe_config(E, TOPK), kFp8Static128BlockSym,
+                                               kFp8Dynamic128Sym)
+        assert cls is None and "DBO" in reason
+
+
+def _layer_through_the_hook(rank, world_size):
+    """One rank of vLLM (world size 1, gloo): build FusedMoEFactory + Fp8Config layers before
+    and after register(), load random block-FP8 weights, run the second one."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    from vllm_moe_fixes.fused_moe import FusedMoEModularKernel, NoEPPrepareAndFinalize
+    from vllm_moe_fixes.fused_moe import TritonExperts
+    from vllm_moe_fixes.testing import random_fp8_moe_weights
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    plugin.logger.addHandler(handler)
+    plugin.logger.setLevel(logging.INFO)
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                                    backend="gloo")
+        parallel_state.initialize_model_parallel(1, 1)
+        quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                          weight_block_size=[128, 128])
+
+        def layer(name):
+            return FusedMoEFactory(num_experts=E, top_k=TOPK, hidden_size=K,
+                                   intermediate_size=I, params_dtype=torch.bfloat16,
+                                   quant_config=quant, prefix=name)
+
+        os.environ.pop("VLLM_MOE_FIXES", None)
+        plugin.register()
+        before = layer("layers.0.mlp.experts").routed_experts.quant_method.experts_cls
+        os.environ["VLLM_MOE_FIXES"] = "1"
+        plugin.register()
+        moe = layer("layers.1.mlp.experts")
+        experts = moe.routed_experts
+        g = torch.Generator().manual_seed(7)
+        w = random_fp8_moe_weights(E, K, I, generator=g)
+        with torch.no_grad():
+            for param, value in ((experts.w13_weight, w.w1), (experts.w2_weight, w.w2),
+                                 (experts.w13_weight_scale_inv, w.w1_scale),
+                                 (experts.w2_weight_scale_inv, w.w2_scale)):
+                param.copy_(value)
+        experts.quant_method.process_weights_after_loading(experts)
+        kernel = experts.quant_method.moe_kernel
+        x = torch.randn(9, K, generator=g).bfloat16()
+        logits = torch.randn(9, E, generator=g).bfloat16()
+        with set_forward_context(None, config):
+            out = moe(x, logits)
+        tw, ti = moe.router.select_experts(hidden_states=x, router_logits=logits)
+        ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())(
+            x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale,
+            global_num_experts=E)
+    return dict(before=getattr(before, "__name__", str(before)),
+                backend=experts.quant_method.fp8_backend.value,
+                pf=type(kernel.prepare_finalize).__name__,
+                experts=type(kernel.fused_experts).__name__,
+                equal=torch.equal(out, ours), nonzero=bool(out.abs().sum() > 0),
+                weights_kept=torch.equal(experts.w13_weight, w.w1), messages=messages)
+
+
+def test_fused_moe_layer_with_fp8_config_runs_our_kernels():
+    got = run_distributed(_layer_through_the_hook, 1)[0]
+    assert not got["before"].startswith("Vllm")  # vLLM's own choice without the variable
+    assert got["backend"] == "TRITON"  # the weights stay in the checkpoint's layout
+    assert (got["pf"], got["experts"]) == ("VllmNoEPPrepareAndFinalize", "VllmTritonExperts")
+    assert got["weights_kept"] and got["nonzero"] and got["equal"]
+    built = [m for m in got["messages"] if "runs vllm_moe_fixes" in m]
+    assert len(built) == 1 and "VllmTritonExperts" in built[0], got["messages"]
