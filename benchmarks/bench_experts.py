@@ -22,9 +22,9 @@ them. Columns of the layer table, per backend and M:
   graph_us    per call under CUDA-graph replay; graph_gemms_us: the two GEMMs alone, replayed
   peak_MiB    peak memory of a first call on a fresh kernel beyond inputs and weights;
               expected_MiB = sizes.layer_declared_bytes (workspaces + output + prepare's a1q)
-  anchor_us   the anchor, an unfused torch path on the same GEMMs (stable-sort layout, torch
-              gathers, silu_and_mul then the quant, a [M, k, K] gather and moe_sum), and
-              diff = calc_diff(layer, anchor)
+  anchor_us   the anchor, vllm_moe_fixes.testing.unfused_moe_layer: the layer unfused on the
+              same GEMMs (stable-sort layout, torch gathers, silu_and_mul then the quant, a
+              [M, k, K] gather and moe_sum), and diff = calc_diff(layer, anchor)
 
 Chunk-size sweep (M = 32768): time per token and peak memory of a fresh kernel per
 VLLM_FUSED_MOE_CHUNK_SIZE, to choose the default.
@@ -63,18 +63,20 @@ from vllm_moe_fixes.fused_moe.contiguous_experts import (
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import fused_topk
-from vllm_moe_fixes.ops.activation import silu_and_mul
-from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, quant_batched_fp8
-from vllm_moe_fixes.ops.moe_sum import moe_sum
-from vllm_moe_fixes.ops.permute import build_contiguous_layout_ref
+from vllm_moe_fixes.ops.fp8_quant import quant_batched_fp8
 from vllm_moe_fixes.sizes import expected_rows_per_expert, layer_declared_bytes
-from vllm_moe_fixes.testing import calc_diff, kernels_per_call, quant_block_fp8
+from vllm_moe_fixes.testing import (
+    Fp8MoEWeights,
+    calc_diff,
+    kernels_per_call,
+    random_fp8_moe_weights,
+    unfused_moe_layer,
+)
 
-K, I, E_L, TOPK = 7168, 2048, 8, 8
+K, I, LOCAL_NUM_EXPERTS, TOPK = 7168, 2048, 8, 8
 BATCHED_E, BATCHED_T = 32, 128
 CHUNK_SIZES = (2048, 4096, 8192, 16384, 32768)
 CHUNK_SWEEP_M = 32768
-FP8 = torch.float8_e4m3fn
 
 
 def loop_us(fn, calls: int) -> float:
@@ -100,13 +102,9 @@ def count_kernels_later(row: dict, fn) -> None:
     _TO_PROFILE.append((row, fn))
 
 
-def make_weights(num_experts: int, seed: int = 0):
+def make_weights(num_experts: int, seed: int = 0) -> Fp8MoEWeights:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    w1, w1s = quant_block_fp8(torch.randn(num_experts, 2 * I, K, device="cuda", generator=g)
-                              / K ** 0.5)
-    w2, w2s = quant_block_fp8(torch.randn(num_experts, K, I, device="cuda", generator=g)
-                              / I ** 0.5)
-    return w1, w1s, w2, w2s
+    return random_fp8_moe_weights(num_experts, K, I, generator=g, device="cuda")
 
 
 def make_inputs(M: int, num_experts: int, seed: int):
@@ -116,35 +114,13 @@ def make_inputs(M: int, num_experts: int, seed: int):
     return x, weights, ids
 
 
-def anchor_layer(x, w, weights, ids, gemm):
-    """The unfused torch path on the same GEMMs: every intermediate a new tensor."""
-    w1, w1s, w2, w2s = w
-    M, k = ids.shape
-    hidden = x.shape[1]
-    a_q, a_s = per_token_group_quant_fp8(x, 128)
-    lay = build_contiguous_layout_ref(ids, w1.shape[0], None)
-    src = lay.src_row.long().clamp(min=0)
-    used = (lay.src_row >= 0).unsqueeze(1)
-    a_p = (a_q.view(torch.uint8)[src] * used.to(torch.uint8)).view(FP8)
-    a_ps = (a_s[src] * used).t().contiguous().t()  # MN-major copy
-    m_idx = lay.m_indices
-    h = torch.empty(a_p.shape[0], w1.shape[1], dtype=torch.bfloat16, device=x.device)
-    gemm((a_p, a_ps), (w1, w1s), h, m_idx)
-    g_q, g_s = per_token_group_quant_fp8(silu_and_mul(h), 128, column_major_scales=True,
-                                         tma_aligned_scales=True)
-    y = torch.empty(a_p.shape[0], hidden, dtype=torch.bfloat16, device=x.device)
-    gemm((g_q, g_s), (w2, w2s), y, m_idx)
-    rows = torch.where((lay.dest >= 0).unsqueeze(1), y[lay.dest.long().clamp(min=0)], 0)
-    return moe_sum(rows.view(M, k, hidden), topk_weights=weights)
-
-
 def gemms_alone(kernel, experts, w, M):
     """The two grouped GEMM calls of one layer call, on the layout the last call left in the
     kernel's workspaces."""
     w1, w1s, w2, w2s = w
-    ws13, ws2, _ = experts.workspace_shapes(M, I, K, TOPK, E_L)
+    ws13, ws2, _ = experts.workspace_shapes(M, I, K, TOPK, LOCAL_NUM_EXPERTS)
     v = workspace_views(*kernel.workspaces.get(ws13, ws2, torch.device("cuda"), torch.bfloat16),
-               M * TOPK, E_L, K, I)
+               M * TOPK, LOCAL_NUM_EXPERTS, K, I)
 
     def run():
         experts.gemm(v.a, (w1, w1s), v.h, v.layout.m_indices)
@@ -155,14 +131,14 @@ def gemms_alone(kernel, experts, w, M):
 def bench_layer(name, make_experts, w, m_values):
     rows = []
     for M in m_values:
-        x, weights, ids = make_inputs(M, E_L, seed=M)
+        x, weights, ids = make_inputs(M, LOCAL_NUM_EXPERTS, seed=M)
         experts = make_experts()
-        kw = dict(w1_scale=w[1], w2_scale=w[3], global_num_experts=E_L)
+        kw = dict(w1_scale=w[1], w2_scale=w[3], global_num_experts=LOCAL_NUM_EXPERTS)
         kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), experts)
         layer = lambda: kernel(x, w[0], w[2], weights, ids, **kw)  # noqa: E731
         with peak_memory() as peak:
             out = layer()
-        anchor = lambda: anchor_layer(x, w, weights, ids, experts.gemm)  # noqa: E731
+        anchor = lambda: unfused_moe_layer(x, w, weights, ids, experts.gemm)  # noqa: E731
         diff = calc_diff(out, anchor())
         gemms = gemms_alone(kernel, experts, w, M)
         calls = max(10, 20000 // M)
@@ -175,7 +151,7 @@ def bench_layer(name, make_experts, w, m_values):
                    graph_us=graph_us(layer, [()], calls=max(1, 1024 // M)),
                    graph_gemms_us=graph_us(gemms, [()], calls=max(1, 1024 // M)),
                    peak_MiB=peak.bytes / 2**20,
-                   expected_MiB=layer_declared_bytes(M, I, K, TOPK, E_L) / 2**20,
+                   expected_MiB=layer_declared_bytes(M, I, K, TOPK, LOCAL_NUM_EXPERTS) / 2**20,
                    anchor_us=bench_us(anchor, [()]), diff=diff)
         count_kernels_later(row, layer)
         rows.append(row)
@@ -186,8 +162,8 @@ def bench_layer(name, make_experts, w, m_values):
 def bench_chunk_sizes(name, make_experts, w):
     """Time per token and peak memory at M = CHUNK_SWEEP_M for each chunk size."""
     rows = []
-    x, weights, ids = make_inputs(CHUNK_SWEEP_M, E_L, seed=1)
-    kw = dict(w1_scale=w[1], w2_scale=w[3], global_num_experts=E_L)
+    x, weights, ids = make_inputs(CHUNK_SWEEP_M, LOCAL_NUM_EXPERTS, seed=1)
+    kw = dict(w1_scale=w[1], w2_scale=w[3], global_num_experts=LOCAL_NUM_EXPERTS)
     saved = os.environ.get("VLLM_FUSED_MOE_CHUNK_SIZE")
     try:
         for chunk in CHUNK_SIZES:
@@ -252,9 +228,9 @@ def main() -> None:
     backends = [("triton", TritonExperts, BatchedTritonExperts)]
     if dg.is_available():
         backends.append(("deep_gemm", DeepGemmExperts, BatchedDeepGemmExperts))
-    shape = dict(K=K, I=I, E_local=E_L, topk=TOPK)
+    shape = dict(K=K, I=I, E_local=LOCAL_NUM_EXPERTS, topk=TOPK)
     tables = []
-    w = make_weights(E_L)
+    w = make_weights(LOCAL_NUM_EXPERTS)
     if not args.skip_layer:
         layer = [r for name, cls, _ in backends for r in bench_layer(name, cls, w, args.m)]
         tables.append(("layer", "experts", layer))

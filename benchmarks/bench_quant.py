@@ -24,8 +24,9 @@ tokens, top-8, 8 experts, 128-row padding), and the batched layout [32, 128, 409
 valid rows of 1, 32 and 128 tokens spread by top-8 routing. For each it times the fused op and
 the two unfused ops (silu_and_mul, then per_token_group_quant_fp8 into MN-major scales; batched:
 over the whole slices plus a copy of the scales, the way the unfused experts run them), eager
-(do_bench), under graph replay, and their host time (launch loop). Bytes = x (rows*2N*2) +
-q (rows*N) + scales (rows*N/128*4) over the valid rows. Writes benchmarks/results/bench_silu_mul_quant.json.
+(do_bench), under graph replay, and their host time (launch loop). Bytes = x (rows*2I*2) +
+q (rows*I) + scales (rows*I/128*4) over the valid rows. Writes
+benchmarks/results/bench_silu_mul_quant.json.
 
 --sweep also times a grid of launch configs of each launcher (block_m x groups_per_prog x
 num_warps; for the quant also the float32 grid rounding), prints the best and writes
@@ -50,9 +51,10 @@ from benchmarks._common import (
     write_json,
 )
 from vllm_moe_fixes.ops.activation import silu_and_mul
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, empty_mn_major_scales
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.fp8_quant import (
     QUANT_BLOCK_M,
+    QUANT_EPS,
     QUANT_GROUPS_PER_PROG,
     QUANT_NUM_WARPS,
     per_token_group_quant_fp8,
@@ -66,37 +68,38 @@ from vllm_moe_fixes.ops.silu_mul_quant import (
     silu_and_mul_quant_fp8,
     silu_and_mul_quant_fp8_triton,
 )
+from vllm_moe_fixes.sizes import ROW_ALIGNMENT
 
-K, GROUP = 7168, 128
+K = 7168
 MS = (256, 4096, 16384, 65536)
 DEFAULT = {"block_m": QUANT_BLOCK_M, "groups_per_prog": QUANT_GROUPS_PER_PROG,
            "num_warps": QUANT_NUM_WARPS}
 
 
 def _bytes(M):
-    return M * K * 2 + M * K + M * (K // GROUP) * 4
+    return M * K * 2 + M * K + M * (K // SCALE_BLOCK) * 4
 
 
 def _inputs(M):
     def make(_):
         x = torch.randn((M, K), dtype=torch.bfloat16, device="cuda")
-        q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device="cuda")
-        s = torch.empty((M, K // GROUP), dtype=torch.float32, device="cuda")
+        q = torch.empty((M, K), dtype=FP8_DTYPE, device="cuda")
+        s = torch.empty((M, K // SCALE_BLOCK), dtype=torch.float32, device="cuda")
         return x, q, s
     return rotating(make, _bytes(M))
 
 
 def _row_major(x, q, s):
-    return per_token_group_quant_fp8(x, GROUP, out_q=q)
+    return per_token_group_quant_fp8(x, SCALE_BLOCK, out_q=q)
 
 
 def _tma(x, q, s):
-    return per_token_group_quant_fp8(x, GROUP, column_major_scales=True, tma_aligned_scales=True,
-                                     out_q=q)
+    return per_token_group_quant_fp8(x, SCALE_BLOCK, column_major_scales=True,
+                                     tma_aligned_scales=True, out_q=q)
 
 
 def _launcher(x, q, s):
-    per_token_group_quant_fp8_triton(x, q, s, GROUP, 1e-10, False)
+    per_token_group_quant_fp8_triton(x, q, s, SCALE_BLOCK, QUANT_EPS, False)
 
 
 def _quant(sweep_configs):
@@ -110,8 +113,9 @@ def _quant(sweep_configs):
         t_tma = bench_us(_tma, sets)
         g_tma = graph_us(_tma, sets)
         t_launch = bench_us(_launcher, sets)
-        t_ref = bench_us(lambda x, q, s: per_token_group_quant_fp8_ref(x, GROUP, 1e-10, False),
-                         sets[:2], rep=50)
+        t_ref = bench_us(
+            lambda x, q, s: per_token_group_quant_fp8_ref(x, SCALE_BLOCK, QUANT_EPS, False),
+            sets[:2], rep=50)
         t_copy = copy_us(nbytes)
         rows.append({
             "M": M, "K": K, "config": str(DEFAULT),
@@ -128,29 +132,30 @@ def _quant(sweep_configs):
         del sets
         torch.cuda.empty_cache()
     print_table(rows, list(rows[0]))
-    write_json("bench_quant", {"group_size": GROUP, "dtype": "bfloat16", "rows": rows})
+    write_json("bench_quant", {"group_size": SCALE_BLOCK, "dtype": "bfloat16", "rows": rows})
     if sweep_configs:
         _report_sweep(sweep)
 
 
 # ---------------------------------------------------------------- fused SiLU-and-mul + quant
 
-TWO_N = 4096  # 2 * I, DeepSeek-V3's I = 2048
-CONTIGUOUS_ROWS = {128: 8 * 128, 1024: 8192 + 8 * 128, 8192: 65536 + 8 * 128}  # tokens: M_sum
+TWO_I = 4096  # 2 * I, DeepSeek-V3's I = 2048
+# tokens: M_sum (top-8 over 8 experts; 128 tokens fill every segment exactly)
+CONTIGUOUS_ROWS = {128: 1024, 1024: 8192 + 8 * ROW_ALIGNMENT, 8192: 65536 + 8 * ROW_ALIGNMENT}
 BATCHED_E, BATCHED_T, TOPK = 32, 128, 8
 
 
 def _fused_bytes(rows):
-    n = TWO_N // 2
-    return rows * TWO_N * 2 + rows * n + rows * (n // GROUP) * 4
+    n = TWO_I // 2
+    return rows * TWO_I * 2 + rows * n + rows * (n // SCALE_BLOCK) * 4
 
 
 def _contiguous_inputs(rows):
     def make(_):
-        x = torch.randn((rows, TWO_N), dtype=torch.bfloat16, device="cuda")
-        q = torch.empty((rows, TWO_N // 2), dtype=FP8_DTYPE, device="cuda")
-        s = empty_mn_major_scales((rows, TWO_N // 2 // GROUP), "cuda")
-        g = torch.empty((rows, TWO_N // 2), dtype=torch.bfloat16, device="cuda")
+        x = torch.randn((rows, TWO_I), dtype=torch.bfloat16, device="cuda")
+        q = torch.empty((rows, TWO_I // 2), dtype=FP8_DTYPE, device="cuda")
+        s = empty_mn_major_scales((rows, TWO_I // 2 // SCALE_BLOCK), "cuda")
+        g = torch.empty((rows, TWO_I // 2), dtype=torch.bfloat16, device="cuda")
         return x, q, s, g, None
     return rotating(make, _fused_bytes(rows))
 
@@ -166,10 +171,10 @@ def _batched_inputs(tokens):
     shape = (BATCHED_E, BATCHED_T)
 
     def make(i):
-        x = torch.randn((*shape, TWO_N), dtype=torch.bfloat16, device="cuda")
-        q = torch.empty((*shape, TWO_N // 2), dtype=FP8_DTYPE, device="cuda")
-        s = empty_mn_major_scales((*shape, TWO_N // 2 // GROUP), "cuda")
-        g = torch.empty((*shape, TWO_N // 2), dtype=torch.bfloat16, device="cuda")
+        x = torch.randn((*shape, TWO_I), dtype=torch.bfloat16, device="cuda")
+        q = torch.empty((*shape, TWO_I // 2), dtype=FP8_DTYPE, device="cuda")
+        s = empty_mn_major_scales((*shape, TWO_I // 2 // SCALE_BLOCK), "cuda")
+        g = torch.empty((*shape, TWO_I // 2), dtype=torch.bfloat16, device="cuda")
         return x, q, s, g, _batched_counts(tokens, i).cuda()
     return rotating(make, _fused_bytes(BATCHED_E * BATCHED_T))
 
@@ -184,10 +189,10 @@ def _unfused(x, q, s, g, counts):
     n = x.shape[-1] // 2
     silu_and_mul(x.view(-1, 2 * n), out=g.view(-1, n))
     if x.dim() == 2:
-        per_token_group_quant_fp8(g, GROUP, column_major_scales=True, tma_aligned_scales=True,
+        per_token_group_quant_fp8(g, SCALE_BLOCK, column_major_scales=True, tma_aligned_scales=True,
                                   out_q=q, out_s=s)
     else:
-        _, flat_s = per_token_group_quant_fp8(g.view(-1, n), GROUP, out_q=q.view(-1, n))
+        _, flat_s = per_token_group_quant_fp8(g.view(-1, n), SCALE_BLOCK, out_q=q.view(-1, n))
         s.copy_(flat_s.view(s.shape))
 
 
@@ -197,7 +202,7 @@ def _fused_row(layout, tokens, rows, valid_rows, sets):
     g_fused, g_unfused = graph_us(_fused, sets), graph_us(_unfused, sets)
     return {
         "layout": layout, "tokens": tokens, "rows": rows, "valid_rows": valid_rows,
-        "2N": TWO_N, "fused_us": t_fused, "unfused_us": t_unfused,
+        "2N": TWO_I, "fused_us": t_fused, "unfused_us": t_unfused,
         "fused_graph_us": g_fused, "unfused_graph_us": g_unfused,
         "fused_graph_GB/s": gbps(nbytes, g_fused), "speedup_graph": g_unfused / g_fused,
         "fused_host_us": host_us(_fused, sets), "unfused_host_us": host_us(_unfused, sets),
@@ -222,7 +227,7 @@ def _fused_table(sweep_configs):
         del sets
         torch.cuda.empty_cache()
     print_table(rows, list(rows[0]))
-    write_json("bench_silu_mul_quant", {"group_size": GROUP, "dtype": "bfloat16",
+    write_json("bench_silu_mul_quant", {"group_size": SCALE_BLOCK, "dtype": "bfloat16",
                                         "config": {"block_m": FUSED_BLOCK_M,
                                                    "groups_per_prog": FUSED_GROUPS_PER_PROG,
                                                    "num_warps": FUSED_NUM_WARPS},
@@ -261,8 +266,8 @@ def _sweep(M, sets, nbytes):
     configs.append(dict(DEFAULT, round_in_fp32=True))
     out = []
     for cfg in configs:
-        launch = functools.partial(per_token_group_quant_fp8_triton, group_size=GROUP, eps=1e-10,
-                                   use_ue8m0=False, **cfg)
+        launch = functools.partial(per_token_group_quant_fp8_triton, group_size=SCALE_BLOCK,
+                                   eps=QUANT_EPS, use_ue8m0=False, **cfg)
         us = bench_us(launch, sets, rep=50)
         out.append({"M": M, **cfg, "us": us, "GB/s": gbps(nbytes, us)})
     return out

@@ -8,6 +8,7 @@ import pytest
 import torch
 import triton
 
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX
 from vllm_moe_fixes.ops.fp8_quant import (
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_ref,
@@ -15,7 +16,6 @@ from vllm_moe_fixes.ops.fp8_quant import (
 )
 from vllm_moe_fixes.ops.triton_utils import next_power_of_2
 
-FP8 = torch.float8_e4m3fn
 
 
 def _make_x(shape, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -32,7 +32,8 @@ def _make_x(shape, dtype=torch.bfloat16, device="cpu", seed=0):
 
 
 def _expected(x, group_size, eps, use_ue8m0):
-    """vLLM's recipe in numpy float32, independent of reference.py: (codes as uint8, scales).
+    """vLLM's recipe in numpy float32, independent of per_token_group_quant_fp8_ref: (codes as
+    uint8, scales).
 
     amax = fmax-reduction (NaN ignored) floored at eps; scale = amax / 448 (IEEE float32
     division); ue8m0: 2**ceil(log2(max(scale, 1e-10))) with the log2 in float64 (exact on a
@@ -41,13 +42,13 @@ def _expected(x, group_size, eps, use_ue8m0):
     g = x.float().cpu().numpy()
     g = g.reshape(*g.shape[:-1], g.shape[-1] // group_size, group_size)
     amax = np.fmax(np.fmax.reduce(np.abs(g), axis=-1, initial=-np.inf), np.float32(eps))
-    s = (amax / np.float32(448.0)).astype(np.float32)
+    s = (amax / np.float32(FP8_MAX)).astype(np.float32)
     if use_ue8m0:
         s = np.exp2(np.ceil(np.log2(np.fmax(s, np.float32(1e-10)).astype(np.float64))))
         s = s.astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
-        v = np.fmin(np.fmax(g / s[..., None], np.float32(-448.0)), np.float32(448.0))
-    codes = torch.from_numpy(v.reshape(x.shape)).to(FP8).view(torch.uint8)
+        v = np.fmin(np.fmax(g / s[..., None], np.float32(-FP8_MAX)), np.float32(FP8_MAX))
+    codes = torch.from_numpy(v.reshape(x.shape)).to(FP8_DTYPE).view(torch.uint8)
     return codes, torch.from_numpy(s)
 
 
@@ -77,7 +78,7 @@ SHAPES = [(1, 128), (7, 512), (33, 512), (0, 512), (2, 7168)]
 def test_triton_launcher(shape, group_size, layout, use_ue8m0, kernel_device):
     M, K = shape
     x = _make_x(shape, device=kernel_device)
-    x_q = torch.full(shape, 0x7F, dtype=torch.uint8, device=kernel_device).view(FP8)
+    x_q = torch.full(shape, 0x7F, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPE)
     x_s = _scales_buffer(M, K // group_size, layout, kernel_device)
     per_token_group_quant_fp8_triton(x, x_q, x_s, group_size, 1e-10, use_ue8m0)
     _check(x.cpu(), x_q.cpu(), x_s.cpu(), group_size, 1e-10, use_ue8m0)
@@ -90,7 +91,7 @@ def test_triton_launcher(shape, group_size, layout, use_ue8m0, kernel_device):
 @pytest.mark.parametrize("tile", [(1, 1), (2, 4), (8, 8)])
 def test_triton_launcher_dtypes_and_tiles(dtype, tile, kernel_device):
     x = _make_x((5, 384), dtype=dtype, device=kernel_device, seed=1)
-    x_q = torch.empty((5, 384), dtype=FP8, device=kernel_device)
+    x_q = torch.empty((5, 384), dtype=FP8_DTYPE, device=kernel_device)
     x_s = torch.full((5, 3), float("nan"), device=kernel_device)
     per_token_group_quant_fp8_triton(x, x_q, x_s, 128, 1e-4, False, block_m=tile[0],
                                      groups_per_prog=tile[1], num_warps=2)
@@ -101,7 +102,7 @@ def test_round_in_fp32_matters_under_interpreter(kernel_device):
     """The float32 grid rounding gives the reference's bits; on CPU it is what makes them agree."""
     x = _make_x((3, 256), device=kernel_device, seed=2)
     ref_q, _ = per_token_group_quant_fp8_ref(x, 128, 1e-10, False)
-    x_q = torch.empty((3, 256), dtype=FP8, device=kernel_device)
+    x_q = torch.empty((3, 256), dtype=FP8_DTYPE, device=kernel_device)
     x_s = torch.empty((3, 2), device=kernel_device)
     per_token_group_quant_fp8_triton(x, x_q, x_s, 128, 1e-10, False, round_in_fp32=True)
     assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8))
@@ -115,10 +116,10 @@ def test_round_in_fp32_keeps_sign_of_zero(round_in_fp32, kernel_device):
     (the interpreter's own float8 cast is not exact, so that case is checked on the GPU only)."""
     if not round_in_fp32 and kernel_device == "cpu":
         pytest.skip("the interpreter's float8 cast is not RNE; covered by round_in_fp32=True")
-    vals = [448.0, -1e-4, -3e-7, -2.0**-10, -1e-3, 1e-4, 2.0**-10, -2.0**-126, -0.0]
+    vals = [FP8_MAX, -1e-4, -3e-7, -2.0**-10, -1e-3, 1e-4, 2.0**-10, -2.0**-126, -0.0]
     x = torch.tensor(vals + [-5e-5] * (128 - len(vals)), dtype=torch.float32,
                      device=kernel_device).repeat(3, 1)
-    x_q = torch.full((3, 128), 0x7F, dtype=torch.uint8, device=kernel_device).view(FP8)
+    x_q = torch.full((3, 128), 0x7F, dtype=torch.uint8, device=kernel_device).view(FP8_DTYPE)
     x_s = torch.empty((3, 1), device=kernel_device)
     per_token_group_quant_fp8_triton(x, x_q, x_s, 128, 1e-10, False, round_in_fp32=round_in_fp32)
     got = x_q.view(torch.uint8).cpu()
@@ -140,7 +141,7 @@ def test_next_power_of_2_matches_triton():
 def test_public_op_row_major(shape, group_size, use_ue8m0):
     x = _make_x(shape, seed=3)
     x_q, x_s = per_token_group_quant_fp8(x, group_size, use_ue8m0=use_ue8m0)
-    assert x_q.dtype == FP8 and x_q.shape == x.shape
+    assert x_q.dtype == FP8_DTYPE and x_q.shape == x.shape
     assert x_s.dtype == torch.float32 and x_s.shape == (*shape[:-1], shape[-1] // group_size)
     assert x_s.is_contiguous()
     _check(x, x_q, x_s, group_size, 1e-10, use_ue8m0)
@@ -159,12 +160,13 @@ def test_public_op_column_major(M, tma):
 
 def test_public_op_out_q_and_eps():
     x = _make_x((9, 256), dtype=torch.float32, seed=5)
-    out_q = torch.full((9, 256), 0x7F, dtype=torch.uint8).view(FP8)
+    out_q = torch.full((9, 256), 0x7F, dtype=torch.uint8).view(FP8_DTYPE)
     x_q, x_s = per_token_group_quant_fp8(x, 128, eps=1e-3, out_q=out_q)
     assert x_q is out_q
     _check(x, x_q, x_s, 128, 1e-3, False)
-    torch.testing.assert_close(x_s[-1, 0].double(), torch.tensor(1e-3 / 448, dtype=torch.float64),
-                               rtol=2e-7, atol=0)  # the all-zero group gets eps / 448
+    # the all-zero group gets eps / 448
+    torch.testing.assert_close(x_s[-1, 0].double(),
+                               torch.tensor(1e-3 / FP8_MAX, dtype=torch.float64), rtol=2e-7, atol=0)
 
 
 def test_tma_flag_without_column_major_gives_row_major_scales():
@@ -182,12 +184,13 @@ def test_division_not_reciprocal_multiply(dtype, kernel_device):
     and the public op give the division."""
     x = _make_x((64, 1024), dtype=dtype, seed=14)
     g = x.float().unflatten(-1, (8, 128))
-    scale = torch.maximum(g.abs().amax(-1), torch.tensor(1e-10)) / torch.tensor(448.0)
-    by_multiply = (g * (torch.ones_like(scale) / scale).unsqueeze(-1)).clamp(-448, 448)
-    by_division = (g / scale.unsqueeze(-1)).clamp(-448, 448)
-    assert (by_multiply.to(FP8).view(torch.uint8) != by_division.to(FP8).view(torch.uint8)).any()
-    want = by_division.to(FP8).flatten(-2).view(torch.uint8)
-    x_q = torch.empty(x.shape, dtype=FP8, device=kernel_device)
+    scale = torch.maximum(g.abs().amax(-1), torch.tensor(1e-10)) / torch.tensor(FP8_MAX)
+    by_multiply = (g * (torch.ones_like(scale) / scale).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    by_division = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    codes = (by_multiply.to(FP8_DTYPE).view(torch.uint8), by_division.to(FP8_DTYPE).view(torch.uint8))
+    assert (codes[0] != codes[1]).any()
+    want = by_division.to(FP8_DTYPE).flatten(-2).view(torch.uint8)
+    x_q = torch.empty(x.shape, dtype=FP8_DTYPE, device=kernel_device)
     x_s = torch.empty((64, 8), device=kernel_device)
     per_token_group_quant_fp8_triton(x.to(kernel_device), x_q, x_s, 128, 1e-10, False)
     assert torch.equal(x_q.cpu().view(torch.uint8), want)
@@ -201,7 +204,7 @@ def test_ue8m0_scale_floor(kernel_device):
     x_q, x_s = per_token_group_quant_fp8(x, 128, use_ue8m0=True)
     assert (x_s == 2.0**-33).all()
     _, x_s_plain = per_token_group_quant_fp8(x, 128)
-    assert x_s_plain[0, 0] == torch.tensor(1e-10) / torch.tensor(448.0)
+    assert x_s_plain[0, 0] == torch.tensor(1e-10) / torch.tensor(FP8_MAX)
 
 
 def _nan_inf_input(device):
@@ -220,14 +223,14 @@ def _check_nan_inf(x, x_q, x_s):
     # NaN is ignored by the max: the scale is that of the group without it.
     clean = x[0, :128].clone()
     clean[5] = 0.0
-    assert scales[0, 0] == clean.abs().max() / torch.tensor(448.0)
+    assert scales[0, 0] == clean.abs().max() / torch.tensor(FP8_MAX)
     assert codes[0, 5] == 0xFE  # NaN -> -448
     assert codes[1, 7] == 0xFE and codes[1, 9] == 0xFE  # +-inf / inf is NaN -> -448
     assert scales[1, 0] == float("inf")
     finite = torch.ones(128, dtype=torch.bool)
     finite[[7, 9]] = False
     assert (codes[1, :128][finite] & 0x7F == 0).all()  # finite / inf = +-0
-    assert scales[2, 1] == torch.tensor(1e-10) / torch.tensor(448.0)  # all NaN: eps floor
+    assert scales[2, 1] == torch.tensor(1e-10) / torch.tensor(FP8_MAX)  # all NaN: eps floor
     assert (codes[2, 128:] == 0xFE).all()
     assert torch.isfinite(scales[[0, 2]]).all()
     _check(x, x_q, x_s, 128, 1e-10, False)
@@ -242,7 +245,7 @@ def test_nan_inf_public_op():
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")  # numpy's nanmax
 def test_nan_inf_launcher(kernel_device):
     x = _nan_inf_input(kernel_device)
-    x_q = torch.empty(x.shape, dtype=FP8, device=kernel_device)
+    x_q = torch.empty(x.shape, dtype=FP8_DTYPE, device=kernel_device)
     x_s = torch.empty((3, 2), device=kernel_device)
     per_token_group_quant_fp8_triton(x, x_q, x_s, 128, 1e-10, False)
     _check_nan_inf(x, x_q, x_s)
@@ -328,7 +331,7 @@ def test_errors():
     _bad(x=torch.randn(4, 200, dtype=torch.bfloat16))  # K % group_size
     _bad(x=x.to(torch.float64))
     _bad(x=x.to(torch.int32))
-    _bad(x=x.to(FP8))
+    _bad(x=x.to(FP8_DTYPE))
     _bad(x=[1.0, 2.0])
     _bad(x=torch.tensor(1.0, dtype=torch.bfloat16))  # 0-D
     _bad(x=torch.randn(256, 4, dtype=torch.bfloat16).t())  # last dim not contiguous
@@ -344,9 +347,9 @@ def test_errors():
     _bad(eps=True)
     _bad(x=torch.randn(2, 4, 256, dtype=torch.bfloat16), column_major_scales=True)
     _bad(out_q=torch.empty(4, 256, dtype=torch.bfloat16))
-    _bad(out_q=torch.empty(4, 128, dtype=FP8))
-    _bad(out_q=torch.empty(256, 4, dtype=FP8).t())
-    _bad(out_q=torch.empty(4, 256, dtype=FP8, device="meta"))
+    _bad(out_q=torch.empty(4, 128, dtype=FP8_DTYPE))
+    _bad(out_q=torch.empty(256, 4, dtype=FP8_DTYPE).t())
+    _bad(out_q=torch.empty(4, 256, dtype=FP8_DTYPE, device="meta"))
     _bad(out_q="buffer")
     _bad(out_s=torch.empty(4, 2, dtype=torch.bfloat16))
     _bad(out_s=torch.empty(4, 4))
@@ -368,7 +371,7 @@ def test_gpu_bit_exact(shape, layout, use_ue8m0):
     assert torch.equal(x_s, ref_s)
     # The float32 grid rounding (used under the interpreter) gives the same bits on the GPU,
     # -0.0 for tiny negatives included (triton 3.6 once turned those into +0.0: fp8_quant.py).
-    q2 = torch.full_like(x_q.view(torch.uint8), 0x7F).view(FP8)
+    q2 = torch.full_like(x_q.view(torch.uint8), 0x7F).view(FP8_DTYPE)
     s2 = torch.empty_like(ref_s)
     per_token_group_quant_fp8_triton(x.view(-1, shape[-1]), q2.view(-1, shape[-1]),
                                      s2.view(-1, shape[-1] // 128), 128, 1e-10, use_ue8m0,

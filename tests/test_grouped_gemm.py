@@ -22,7 +22,7 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_masked_triton,
 )
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, empty_mn_major_scales
-from vllm_moe_fixes.sizes import ALIGNMENT
+from vllm_moe_fixes.sizes import ROW_ALIGNMENT
 from vllm_moe_fixes.testing import calc_diff, quant_block_fp8
 
 
@@ -58,12 +58,12 @@ def expected_rows(a_q, a_s, w_q, w_s):
 
 
 def contiguous_layout(segments, pad_last=True, extra_pad_blocks=0):
-    """int32 m_indices: expert e's rows start at a multiple of ALIGNMENT (128), padding -1."""
+    """int32 m_indices: expert e's rows start at a multiple of ROW_ALIGNMENT (128), padding -1."""
     ids = []
     for e, n in enumerate(segments):
-        span = -(-n // ALIGNMENT) * ALIGNMENT if (pad_last or e < len(segments) - 1) else n
+        span = -(-n // ROW_ALIGNMENT) * ROW_ALIGNMENT if (pad_last or e < len(segments) - 1) else n
         ids += [e] * n + [-1] * (span - n)
-    ids += [-1] * (ALIGNMENT * extra_pad_blocks)
+    ids += [-1] * (ROW_ALIGNMENT * extra_pad_blocks)
     return torch.tensor(ids, dtype=torch.int32)
 
 

@@ -13,7 +13,7 @@ def _make_x(M, topk, K, dtype=torch.bfloat16, device="cpu", seed=0):
 
 def _expected(x, w=None):
     """float32 running sum over topk in index order (each slot times its weight when given),
-    written independently of reference.py."""
+    written independently of moe_sum_ref."""
     acc = torch.zeros((x.shape[0], x.shape[2]), dtype=torch.float32)
     for t in range(x.shape[1]):
         slot = x[:, t].cpu().float()

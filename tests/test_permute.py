@@ -4,9 +4,9 @@ it and the fused un-permute + weighted top-k sum, with poisoned buffers."""
 import pytest
 import torch
 
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 from vllm_moe_fixes.ops.permute import (
-    ALIGNMENT,
     ContiguousLayout,
     build_contiguous_layout,
     build_contiguous_layout_ref,
@@ -23,6 +23,7 @@ from vllm_moe_fixes.ops.permute import (
     unpermute_reduce_ref,
     unpermute_reduce_triton,
 )
+from vllm_moe_fixes.sizes import ROW_ALIGNMENT
 
 POISON = -123456789
 
@@ -37,31 +38,33 @@ def _routing(M, k, E, seed, nonlocal_ids=False, dtype=torch.int64):
     return ids.to(dtype)
 
 
-def _map(E, E_l, seed):
+def _map(E, local_num_experts, seed):
     """expert_map with E_l local experts at random global ids, -1 elsewhere."""
     g = torch.Generator().manual_seed(seed)
     emap = torch.full((E,), -1, dtype=torch.int32)
-    emap[torch.randperm(E, generator=g)[:E_l]] = torch.arange(E_l, dtype=torch.int32)
+    local = torch.randperm(E, generator=g)[:local_num_experts]
+    emap[local] = torch.arange(local_num_experts, dtype=torch.int32)
     return emap
 
 
 def test_num_rows():
     from vllm_moe_fixes import sizes
-    assert contiguous_num_rows is sizes.contiguous_num_rows and ALIGNMENT == sizes.ALIGNMENT == 128
+    assert contiguous_num_rows is sizes.contiguous_num_rows and ROW_ALIGNMENT == 128
     assert contiguous_num_rows(1, 1) == 128
     assert contiguous_num_rows(2, 1) == 256  # 2 + 127 = 129 -> 256
     assert contiguous_num_rows(6 * 130, 32) == 4864
 
 
-@pytest.mark.parametrize("slots,E_l", [(0, 1), (1, 1), (2400, 3), (8 * 8192, 8), (8 * 32768, 8),
-                                       (8 * 300, 256), (8 * 16384, 384)])
-def test_index_vectors_fit_the_workspace_columns(slots, E_l):
+@pytest.mark.parametrize("slots,local_num_experts", [(0, 1), (1, 1), (2400, 3), (8 * 8192, 8),
+                                                     (8 * 32768, 8), (8 * 300, 256),
+                                                     (8 * 16384, 384)])
+def test_index_vectors_fit_the_workspace_columns(slots, local_num_experts):
     """The counts [n_chunks, E_l] never exceed M_sum entries, so 4 int32 per M_sum row (the
     workspace's LAYOUT_INDEX_COLUMNS) always hold the index vectors."""
     from vllm_moe_fixes.sizes import LAYOUT_INDEX_COLUMNS
-    m_sum = contiguous_num_rows(slots, E_l)
-    assert layout_num_chunks(slots, E_l) * E_l <= m_sum
-    assert layout_index_numel(slots, E_l) * 2 <= m_sum * LAYOUT_INDEX_COLUMNS
+    m_sum = contiguous_num_rows(slots, local_num_experts)
+    assert layout_num_chunks(slots, local_num_experts) * local_num_experts <= m_sum
+    assert layout_index_numel(slots, local_num_experts) * 2 <= m_sum * LAYOUT_INDEX_COLUMNS
 
 
 @pytest.mark.parametrize("M,k,E,use_map,neg", [(1, 1, 1, False, False), (7, 2, 8, True, False),
@@ -70,14 +73,14 @@ def test_index_vectors_fit_the_workspace_columns(slots, E_l):
 def test_layout_ref_invariants(M, k, E, use_map, neg):
     """The reference itself: distinct rows, aligned segments in slot order, padding -1."""
     ids = _routing(M, k, E, seed=M * 31 + k, nonlocal_ids=neg)
-    E_l = max(E // 2, 1) if use_map else E
-    emap = _map(E, E_l, seed=E) if use_map else None
-    lay = build_contiguous_layout_ref(ids, E_l, emap)
-    m_sum = contiguous_num_rows(M * k, E_l)
+    local_num_experts = max(E // 2, 1) if use_map else E
+    emap = _map(E, local_num_experts, seed=E) if use_map else None
+    lay = build_contiguous_layout_ref(ids, local_num_experts, emap)
+    m_sum = contiguous_num_rows(M * k, local_num_experts)
     for t in (lay.m_indices, lay.src_row, lay.dest):
         assert t.dtype == torch.int32
     assert lay.m_indices.shape == lay.src_row.shape == (m_sum,) and lay.dest.shape == (M * k,)
-    local = local_expert_ids(ids, emap, E_l)
+    local = local_expert_ids(ids, emap, local_num_experts)
     is_local = local >= 0
     dest = lay.dest.long()
     assert dest[~is_local].eq(-1).all()
@@ -85,64 +88,65 @@ def test_layout_ref_invariants(M, k, E, use_map, neg):
     assert torch.equal(lay.m_indices[dest[is_local]].long(), local[is_local])
     tokens = torch.arange(M * k) // k
     assert torch.equal(lay.src_row[dest[is_local]].long(), tokens[is_local])
-    for e in range(E_l):
+    for e in range(local_num_experts):
         rows = dest[local == e]
         if rows.numel():  # slot order within the expert, segment starts aligned
-            assert rows[0] % ALIGNMENT == 0
+            assert rows[0] % ROW_ALIGNMENT == 0
             assert torch.equal(rows, rows[0] + torch.arange(rows.numel()))
     padding = lay.m_indices < 0
     assert int((~padding).sum()) == int(is_local.sum())
     assert lay.src_row[padding].eq(-1).all() and lay.src_row[~padding].ge(0).all()
 
 
-def _check_layout_kernels(ids, E_l, emap):
+def _check_layout_kernels(ids, local_num_experts, emap):
     """Triton layout (CUDA, or interpreted on CPU) into a poisoned buffer == the reference."""
     device = ids.device
     num_slots = ids.numel()
-    buf = torch.full((layout_index_numel(num_slots, E_l) + 64,), POISON, dtype=torch.int32,
-                     device=device)
-    lay, counts = carve_layout(buf, num_slots, E_l)
-    build_contiguous_layout_triton(ids, E_l, emap, lay, counts)
-    ref = build_contiguous_layout_ref(ids.cpu(), E_l, None if emap is None else emap.cpu())
+    buf = torch.full((layout_index_numel(num_slots, local_num_experts) + 64,), POISON,
+                     dtype=torch.int32, device=device)
+    lay, counts = carve_layout(buf, num_slots, local_num_experts)
+    build_contiguous_layout_triton(ids, local_num_experts, emap, lay, counts)
+    ref = build_contiguous_layout_ref(ids.cpu(), local_num_experts,
+                                      None if emap is None else emap.cpu())
     for name in ("m_indices", "src_row", "dest"):
         assert torch.equal(getattr(lay, name).cpu(), getattr(ref, name)), name
     assert buf[-64:].eq(POISON).all()  # nothing past the declared size
 
 
-@pytest.mark.parametrize("E_l", [1, 3, 8, 33, 256])
+@pytest.mark.parametrize("local_num_experts", [1, 3, 8, 33, 256])
 @pytest.mark.parametrize("M", [0, 1, 7, 300])
-def test_layout_kernels_match_reference(M, E_l, kernel_device):
+def test_layout_kernels_match_reference(M, local_num_experts, kernel_device):
     """Random ids incl. -1 and ids of non-local experts (a map with E_l of E = 2 E_l + 1 experts
     local), int64 and int32."""
-    k = min(8, E_l) if E_l > 1 else 1
-    E = 2 * E_l + 1
-    g = torch.Generator().manual_seed(M * 1000 + E_l)
+    k = min(8, local_num_experts) if local_num_experts > 1 else 1
+    E = 2 * local_num_experts + 1
+    g = torch.Generator().manual_seed(M * 1000 + local_num_experts)
     ids = torch.randint(-1, E, (M, k), generator=g)
-    emap = _map(E, E_l, seed=E_l)
-    _check_layout_kernels(ids.to(kernel_device), E_l, emap.to(kernel_device))
-    ids_local = torch.randint(-1, E_l, (M, k), generator=g).int()
-    _check_layout_kernels(ids_local.to(kernel_device), E_l, None)
+    emap = _map(E, local_num_experts, seed=local_num_experts)
+    _check_layout_kernels(ids.to(kernel_device), local_num_experts, emap.to(kernel_device))
+    ids_local = torch.randint(-1, local_num_experts, (M, k), generator=g).int()
+    _check_layout_kernels(ids_local.to(kernel_device), local_num_experts, None)
 
 
 def test_layout_kernels_strided_ids_and_out_of_range(kernel_device):
     """A non-contiguous [M, k] view; ids past E and map entries past E_l get no row."""
-    E, E_l, M, k = 12, 5, 40, 3
+    E, local_num_experts, M, k = 12, 5, 40, 3
     g = torch.Generator().manual_seed(0)
     wide = torch.randint(-3, E + 4, (M, 2 * k), generator=g)
-    emap = _map(E, E_l, seed=1)
-    emap[0] = E_l + 2  # out of range: treated as not local
-    _check_layout_kernels(wide[:, ::2].to(kernel_device), E_l, emap.to(kernel_device))
+    emap = _map(E, local_num_experts, seed=1)
+    emap[0] = local_num_experts + 2  # out of range: treated as not local
+    _check_layout_kernels(wide[:, ::2].to(kernel_device), local_num_experts, emap.to(kernel_device))
 
 
 def test_layout_kernels_many_chunks(kernel_device):
     """Enough slots for several chunks (earlier-chunk offsets) and a skewed routing (one expert
     holds most slots, some experts none)."""
-    M, k, E_l = 700, 4, 6
+    M, k, local_num_experts = 700, 4, 6
     g = torch.Generator().manual_seed(2)
     ids = torch.where(torch.rand(M, k, generator=g) < 0.7, 2, torch.randint(-1, 4, (M, k),
                                                                               generator=g))
-    assert layout_num_chunks(M * k, E_l) > 1
-    _check_layout_kernels(ids.to(kernel_device), E_l, None)
+    assert layout_num_chunks(M * k, local_num_experts) > 1
+    _check_layout_kernels(ids.to(kernel_device), local_num_experts, None)
 
 
 def test_build_contiguous_layout_public(kernel_device):
@@ -181,16 +185,17 @@ def test_build_contiguous_layout_bad_arguments():
 def _gather_inputs(M, K, device, seed, mn_major_in=False):
     """Random fp8 bytes (NaN patterns included: compared as bytes) and positive scales."""
     g = torch.Generator().manual_seed(seed)
-    a_q = torch.randint(0, 256, (M, K), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-    G = K // 128
+    a_q = torch.randint(0, 256, (M, K), dtype=torch.uint8, generator=g).view(FP8_DTYPE)
+    G = K // SCALE_BLOCK
     a_s = torch.rand(G, M, generator=g).t() if mn_major_in else torch.rand(M, G, generator=g)
     a_s += 0.1
     return a_q.to(device), a_s.to(device)
 
 
 def _poisoned_outputs(m_sum, K, device):
-    out_q = torch.full((m_sum, K), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
-    out_s = torch.full((K // 128, m_sum), float("nan"), device=device).t()  # strides (1, M_sum)
+    out_q = torch.full((m_sum, K), 0x7F, dtype=torch.uint8, device=device).view(FP8_DTYPE)
+    # strides (1, M_sum)
+    out_s = torch.full((K // SCALE_BLOCK, m_sum), float("nan"), device=device).t()
     return out_q, out_s
 
 
@@ -237,9 +242,9 @@ def test_permute_triton_synthetic_layouts(case, kernel_device):
                                              (37, 4, 6, 1152, False)])
 def test_permute_real_layouts(M, k, E, K, use_map, kernel_device):
     ids = _routing(M, k, E, seed=M + K, nonlocal_ids=use_map)
-    E_l = max(E // 2, 1) if use_map else E
-    emap = _map(E, E_l, seed=E).to(kernel_device) if use_map else None
-    lay = build_contiguous_layout(ids.to(kernel_device), E_l, emap)
+    local_num_experts = max(E // 2, 1) if use_map else E
+    emap = _map(E, local_num_experts, seed=E).to(kernel_device) if use_map else None
+    lay = build_contiguous_layout(ids.to(kernel_device), local_num_experts, emap)
     a_q, a_s = _gather_inputs(M, K, kernel_device, seed=K)
     out_q, out_s = _check_gather(a_q, a_s, lay, permute_rows_triton)
     assert out_s.stride() == (1, lay.m_indices.numel())
@@ -281,12 +286,12 @@ def test_permute_rows_bad_arguments():
 
 # --- un-permute + weighted top-k sum -------------------------------------------------------------
 
-def _reduce_inputs(M, k, K, E_l, seed, device, nonlocal_ids=True):
+def _reduce_inputs(M, k, K, local_num_experts, seed, device, nonlocal_ids=True):
     """GEMM2-like rows y [M_sum, K] (NaN on padding and on no row that any slot reads), a real
     layout's dest, weights with some exact zeros whose rows hold NaN."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(-1 if nonlocal_ids else 0, E_l, (M, k), generator=g)
-    lay = build_contiguous_layout_ref(ids, E_l, None)
+    ids = torch.randint(-1 if nonlocal_ids else 0, local_num_experts, (M, k), generator=g)
+    lay = build_contiguous_layout_ref(ids, local_num_experts, None)
     m_sum = lay.m_indices.numel()
     y = (torch.randn(m_sum, K, generator=g) * 3).bfloat16()
     y[lay.m_indices < 0] = float("nan")  # padding rows are never read
@@ -307,13 +312,14 @@ def _unreduced(y, dest, M):
     return rows.view(M, -1, y.shape[1])
 
 
-@pytest.mark.parametrize("M,k,K,E_l", [(1, 1, 128, 1), (7, 3, 384, 4), (64, 8, 256, 8),
-                                       (5, 6, 4352, 3)])
+@pytest.mark.parametrize("M,k,K,local_num_experts", [(1, 1, 128, 1), (7, 3, 384, 4),
+                                                     (64, 8, 256, 8), (5, 6, 4352, 3)])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_unpermute_reduce_matches_unpermute_then_moe_sum(M, k, K, E_l, weighted, kernel_device):
+def test_unpermute_reduce_matches_unpermute_then_moe_sum(M, k, K, local_num_experts, weighted,
+                                                         kernel_device):
     """Bit for bit what gathering [M, k, K] (zeros for slots without a row) and ops.moe_sum give;
     poisoned output; NaN in every row that must not be read."""
-    y, dest, w = _reduce_inputs(M, k, K, E_l, seed=M * k + K, device=kernel_device)
+    y, dest, w = _reduce_inputs(M, k, K, local_num_experts, seed=M * k + K, device=kernel_device)
     weights = w if weighted else None
     if not weighted:  # plain sum: zero-weight slots are read, so no NaN may sit in their rows
         y = torch.nan_to_num(y, nan=0.5)
@@ -375,8 +381,8 @@ def test_gpu_permute_past_2_31_elements():
     assert m_sum * K > 2 ** 31 and M * K > 2 ** 31
     g = torch.Generator(device="cuda").manual_seed(0)
     a_q = torch.randint(0, 256, (M, K), dtype=torch.uint8, device="cuda",
-                        generator=g).view(torch.float8_e4m3fn)
-    a_s = torch.rand(M, K // 128, device="cuda", generator=g) + 0.1
+                        generator=g).view(FP8_DTYPE)
+    a_s = torch.rand(M, K // SCALE_BLOCK, device="cuda", generator=g) + 0.1
     src = torch.randint(-1, M, (m_sum,), device="cuda", generator=g, dtype=torch.int32)
     src[-1000:] = torch.arange(M - 1000, M, device="cuda", dtype=torch.int32)
     lay = ContiguousLayout(m_indices=src.clamp(max=0), src_row=src, dest=src[:0])
@@ -411,13 +417,14 @@ def test_gpu_unpermute_reduce_past_2_31_elements():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,k,E,E_l", [(8192, 8, 8, 8), (32768, 8, 256, 32), (4096, 8, 384, 384)])
-def test_gpu_layout_matches_reference(M, k, E, E_l):
+@pytest.mark.parametrize("M,k,E,local_num_experts", [(8192, 8, 8, 8), (32768, 8, 256, 32),
+                                                     (4096, 8, 384, 384)])
+def test_gpu_layout_matches_reference(M, k, E, local_num_experts):
     """Large slot counts (up to 256 chunks), many local experts, int32 ids."""
     g = torch.Generator(device="cuda").manual_seed(M)
     ids = torch.randint(-1, E, (M, k), device="cuda", generator=g, dtype=torch.int32)
-    emap = _map(E, E_l, seed=E).cuda() if E != E_l else None
-    _check_layout_kernels(ids, E_l, emap)
+    emap = _map(E, local_num_experts, seed=E).cuda() if E != local_num_experts else None
+    _check_layout_kernels(ids, local_num_experts, emap)
 
 
 @pytest.mark.gpu

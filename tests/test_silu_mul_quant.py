@@ -64,7 +64,7 @@ def _assert_same(q, s, want_q, want_s):
     assert torch.equal(s.cpu(), want_s.cpu())
 
 
-# ---------------------------------------------------------------- contiguous layout [M, 2N]
+# ---------------------------------------------------------------- contiguous layout [M, 2I]
 
 @pytest.mark.parametrize("M", [1, 5, 33, 0])
 @pytest.mark.parametrize("n", [128, 384])
@@ -88,7 +88,7 @@ def test_launcher_tiles_and_dtypes(tile, dtype, kernel_device):
 
 
 def test_launcher_strided_rows(kernel_device):
-    """x rows with a stride larger than 2N (a view into a wider buffer)."""
+    """x rows with a stride larger than 2I (a view into a wider buffer)."""
     x = _make_x((6, 1024), device=kernel_device, seed=2)[:, :512]
     q, s = _poisoned((6, 256), kernel_device)
     silu_and_mul_quant_fp8_triton(x, q, s, None, False)
@@ -101,7 +101,7 @@ def test_reference_is_the_composition():
     _assert_same(*silu_and_mul_quant_fp8_ref(x, False), *_composed(x))
 
 
-# ---------------------------------------------------------------- batched layout [E, T, 2N]
+# ---------------------------------------------------------------- batched layout [E, T, 2I]
 
 @pytest.mark.parametrize("counts", [[0, 3, 7], [7], [0], [2, 0, 7, 1], [9, 1]])
 def test_launcher_batched_counts(counts, kernel_device):
@@ -169,8 +169,8 @@ def test_errors():
     counts = torch.tensor([1, 2], dtype=torch.int32)
     _bad("bfloat16/float16/float32", x=torch.randn(4, 512, dtype=torch.float64))
     _bad("bfloat16/float16/float32", x="x")
-    _bad(r"\[M, 2N\]", x=x3)
-    _bad(r"\[E, T, 2N\]", expert_num_tokens=counts)
+    _bad(r"\[M, 2I\]", x=x3)
+    _bad(r"\[E, T, 2I\]", expert_num_tokens=counts)
     _bad("multiple of 256", x=torch.randn(4, 384, dtype=torch.bfloat16))
     _bad("multiple of 256", x=torch.randn(4, 0, dtype=torch.bfloat16))
     _bad("contiguous", x=torch.randn(512, 4, dtype=torch.bfloat16).t())
@@ -213,7 +213,7 @@ def test_gpu_batched_counts():
 
 @pytest.mark.gpu
 def test_gpu_past_int32_elements():
-    """x_q has more than 2**31 elements (M * N), x more than 2**32: the last rows are right."""
+    """x_q has more than 2**31 elements (M * I), x more than 2**32: the last rows are right."""
     M, n, tail = 1_100_000, 2048, 512
     assert M * n > 2**31
     x = torch.randn((M, 2 * n), dtype=torch.bfloat16, device="cuda")

@@ -1,9 +1,10 @@
-"""vllm_moe_fixes.testing: the metrics, the block-FP8 weight recipe, the random layer weights and
-moe_reference against a per-token loop."""
+"""vllm_moe_fixes.testing: the metrics, the block-FP8 weight recipe, the random layer weights,
+moe_reference against a per-token loop, and the unfused layer against the fused one."""
 
 import pytest
 import torch
 
+from vllm_moe_fixes.fused_moe import FusedMoEModularKernel, NoEPPrepareAndFinalize, TritonExperts
 from vllm_moe_fixes.fused_moe import moe_reference as exported_moe_reference
 from vllm_moe_fixes.fused_moe.routing import fused_topk
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, dequant_block_fp8
@@ -13,6 +14,7 @@ from vllm_moe_fixes.testing import (
     quant_block_fp8,
     random_fp8_moe_weights,
     rel_err,
+    unfused_moe_layer,
 )
 
 
@@ -89,3 +91,19 @@ def test_random_fp8_moe_weights_follow_the_recipe():
 
 def test_fused_moe_exports_the_same_moe_reference():
     assert exported_moe_reference is moe_reference
+
+
+def test_unfused_layer_matches_the_fused_layer_bit_for_bit_on_cpu():
+    """On CPU every op of both paths is a torch reference, so the unfused layer (the benchmarks'
+    anchor) and the modular kernel give the same bits: the benchmark's diff column measures only
+    the GPU kernels."""
+    g = torch.Generator().manual_seed(0)
+    E, k, M, I, K = 8, 8, 40, 128, 256
+    weights = random_fp8_moe_weights(E, K, I, generator=g)
+    w1, w1s, w2, w2s = weights
+    x = torch.randn(M, K, generator=g).bfloat16()
+    topk_weights, ids = fused_topk(torch.randn(M, E, generator=g), k, renormalize=True)
+    kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
+    out = kernel(x, w1, w2, topk_weights, ids, w1_scale=w1s, w2_scale=w2s, global_num_experts=E)
+    anchor = unfused_moe_layer(x, weights, topk_weights, ids, TritonExperts().gemm)
+    assert torch.equal(out, anchor)

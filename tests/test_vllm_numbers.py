@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from vllm_moe_fixes.fused_moe import FusedMoEModularKernel, NoEPPrepareAndFinalize, TritonExperts
 from vllm_moe_fixes.fused_moe.routing import fused_topk
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK
 from vllm_moe_fixes.testing import random_fp8_moe_weights
 
 VLLM_TOLERANCE = 0.035
@@ -23,10 +24,10 @@ VLLM_TOLERANCE = 0.035
 def _quant_groups(x: torch.Tensor, eps: float = 1e-10):
     """vLLM's per-token-group recipe: float32 amax over each 128-wide group floored at eps,
     scale = amax / 448, q = clamp(x / scale, -448, 448) in float8_e4m3fn."""
-    g = x.float().unflatten(-1, (x.shape[-1] // 128, 128))
+    g = x.float().unflatten(-1, (x.shape[-1] // SCALE_BLOCK, SCALE_BLOCK))
     amax = g.abs().amax(-1, keepdim=True).clamp(min=eps)
-    scale = amax / torch.tensor(448.0, device=x.device)
-    q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    scale = amax / torch.tensor(FP8_MAX, device=x.device)
+    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 
@@ -35,13 +36,13 @@ def _block_matmul(a: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> torch.
     in float32, rounded to a's dtype."""
     q, s = _quant_groups(a)
     a_deq = (q.float() * s).flatten(-2)
-    w_deq = w.float() * w_s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    w_deq = w.float() * w_s.repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
     return (a_deq @ w_deq.t()).to(a.dtype)
 
 
 def vllm_style_reference(x, w1, w1_s, w2, w2_s, topk_weights, topk_ids) -> torch.Tensor:
     M, k = topk_ids.shape
-    n = w2.shape[2]
+    I = w2.shape[2]
     slots = torch.zeros(M * k, x.shape[1], dtype=x.dtype, device=x.device)
     rows = x.repeat_interleave(k, 0)
     ids = topk_ids.reshape(-1)
@@ -50,16 +51,16 @@ def vllm_style_reference(x, w1, w1_s, w2, w2_s, topk_weights, topk_ids) -> torch
         if not sel.any():
             continue
         h = _block_matmul(rows[sel], w1[e], w1_s[e])
-        act = F.silu(h[:, :n]) * h[:, n:]
+        act = F.silu(h[:, :I]) * h[:, I:]
         slots[sel] = _block_matmul(act, w2[e], w2_s[e])
     weighted = slots.view(M, k, -1) * topk_weights.view(M, k, 1).to(x.dtype)
     return weighted.sum(1)
 
 
-def _case(M, K, N, E, k, device, seed):
+def _case(M, K, I, E, k, device, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(M, K, generator=g) / 4).bfloat16().to(device)
-    w1, w1_s, w2, w2_s = random_fp8_moe_weights(E, K, N, generator=g)
+    w1, w1_s, w2, w2_s = random_fp8_moe_weights(E, K, I, generator=g)
     weights, ids = fused_topk(torch.randn(M, E, generator=g), k, renormalize=False)
     return [t.to(device) for t in (x, w1, w1_s, w2, w2_s, weights, ids)]
 
@@ -69,8 +70,8 @@ def _rel_diff(out, ref) -> float:
     return float((out - ref).abs().mean() / ref.abs().mean())
 
 
-def _check(M, K, N, E, k, device, seed):
-    x, w1, w1_s, w2, w2_s, weights, ids = _case(M, K, N, E, k, device, seed)
+def _check(M, K, I, E, k, device, seed):
+    x, w1, w1_s, w2, w2_s, weights, ids = _case(M, K, I, E, k, device, seed)
     kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
     out = kernel(x, w1, w2, weights, ids.to(torch.int32), w1_scale=w1_s, w2_scale=w2_s,
                  global_num_experts=E)
@@ -78,10 +79,10 @@ def _check(M, K, N, E, k, device, seed):
     assert _rel_diff(out, ref) < VLLM_TOLERANCE
 
 
-@pytest.mark.parametrize("M,K,N,E,k", [(1, 256, 128, 4, 2), (33, 512, 256, 8, 6),
+@pytest.mark.parametrize("M,K,I,E,k", [(1, 256, 128, 4, 2), (33, 512, 256, 8, 6),
                                        (130, 256, 384, 16, 4)])
-def test_layer_within_vllm_tolerance_cpu(M, K, N, E, k):
-    _check(M, K, N, E, k, "cpu", seed=M)
+def test_layer_within_vllm_tolerance_cpu(M, K, I, E, k):
+    _check(M, K, I, E, k, "cpu", seed=M)
 
 
 @pytest.mark.gpu

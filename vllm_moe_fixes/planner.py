@@ -51,7 +51,7 @@ from vllm_moe_fixes.distributed.deepep_sizing import (
     deepep_nvl_bytes,
     deepep_rdma_bytes,
 )
-from vllm_moe_fixes.sizes import batched_workspace_shapes, contiguous_workspace_shapes
+from vllm_moe_fixes.sizes import SCALE_BLOCK, batched_workspace_shapes, contiguous_workspace_shapes
 
 SAMPLE_TOKENS = 8192
 # A fixed low-latency RDMA buffer of 1 GiB, not sized by DeepEP's hint: at DP=128 it trips DeepEP's
@@ -60,7 +60,7 @@ FIXED_RDMA_BYTES = 2**30
 INT32_ELEMENTS = 2**31
 DEFAULT_GPU_MEMORY_GIB = 141.0
 INPUTS = ("zero", "random")
-BF16, FP8, F32 = 2, 1, 4
+BF16_BYTES, FP8_BYTES, F32_BYTES = 2, 1, 4
 
 
 class SimulatedRouter:
@@ -156,7 +156,7 @@ def simulate_loads(router: SimulatedRouter, *, ep: int, num_tokens: int, inputs:
                      np.rint(hit.sum(0) * scale).astype(np.int64))
 
 
-def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_experts: int,
+def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_num_experts: int,
            group_tokens: int, max_tokens: int) -> tuple[dict[str, int], dict]:
     """(bytes of one layer's allocations, the largest kernel tensor) at a rank receiving ``tokens``.
 
@@ -168,27 +168,28 @@ def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_experts: int,
     The largest tensor a kernel indexes is the GEMM1 output [rows, 2I] or the GEMM2 output / the
     received activations [rows, K], rows = M_sum or E_l * T: rows * max(2I, K) elements.
     """
-    K, I, k, El = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, local_experts
+    K, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k
     if layout == "batched":
-        ws13, ws2, _ = batched_workspace_shapes(group_tokens, I, K, El)
+        ws13, ws2, _ = batched_workspace_shapes(group_tokens, I, K, local_num_experts)
         recv = rows = ws13[0] * ws13[1]  # E_l * T
     else:
-        ws13, ws2, _ = contiguous_workspace_shapes(tokens, I, K, k, El)
+        ws13, ws2, _ = contiguous_workspace_shapes(tokens, I, K, k, local_num_experts)
         recv, rows = tokens, ws13[0]  # M_sum
-    layer = {"recv_x": recv * K * FP8 + recv * -(-K // 128) * F32,
-             "workspace13": math.prod(ws13) * BF16,
-             "workspace2": math.prod(ws2) * BF16,
-             "layer_output": max_tokens * K * BF16}
+    layer = {"recv_x": recv * K * FP8_BYTES + recv * -(-K // SCALE_BLOCK) * F32_BYTES,
+             "workspace13": math.prod(ws13) * BF16_BYTES,
+             "workspace2": math.prod(ws2) * BF16_BYTES,
+             "layer_output": max_tokens * K * BF16_BYTES}
     name = f"GEMM1 output [{rows}, {2 * I}]" if 2 * I >= K else f"GEMM2 output [{rows}, {K}]"
     largest = {"name": name, "elements": rows * max(2 * I, K)}
     return layer, largest
 
 
-def _weight_bytes(cfg: MoEModelConfig, local_experts: int) -> int:
+def _weight_bytes(cfg: MoEModelConfig, local_num_experts: int) -> int:
     K, I = cfg.hidden_size, cfg.moe_intermediate_size
-    scale_blocks = (math.ceil(2 * I / 128) + math.ceil(I / 128)) * math.ceil(K / 128)
-    per_expert = 3 * I * K * FP8 + scale_blocks * F32
-    return cfg.num_moe_layers * local_experts * per_expert
+    scale_blocks = ((math.ceil(2 * I / SCALE_BLOCK) + math.ceil(I / SCALE_BLOCK))
+                    * math.ceil(K / SCALE_BLOCK))
+    per_expert = 3 * I * K * FP8_BYTES + scale_blocks * F32_BYTES
+    return cfg.num_moe_layers * local_num_experts * per_expert
 
 
 def _hint_or_none(fn, *args):
@@ -253,7 +254,7 @@ def _size_buffers(cfg: MoEModelConfig, backend: str, ep: int, max_tokens: int) -
                                                f"max_tokens={max_tokens}, experts={E}"}
 
 
-def _compute_loads(cfg: MoEModelConfig, sims: dict, *, layout: str, local_experts: int,
+def _compute_loads(cfg: MoEModelConfig, sims: dict, *, layout: str, local_num_experts: int,
                    group_tokens: int, max_tokens: int, fixed_bytes: int) -> dict:
     """Per input kind: the busiest rank's load, one layer's allocations at the rank receiving the
     most tokens (memory grows with the tokens received) and its memory (``fixed_bytes`` of weights
@@ -261,7 +262,7 @@ def _compute_loads(cfg: MoEModelConfig, sims: dict, *, layout: str, local_expert
     loads = {}
     for inputs, sim in sims.items():
         layer, largest = _layer(cfg, layout=layout, tokens=int(sim.tokens.max()),
-                                local_experts=local_experts, group_tokens=group_tokens,
+                                local_num_experts=local_num_experts, group_tokens=group_tokens,
                                 max_tokens=max_tokens)
         busiest = int(np.argmax(sim.slots))
         mean = float(sim.slots.mean())
@@ -295,9 +296,9 @@ def _raise_flags(cfg: MoEModelConfig, loads: dict, deepep: dict, cannot_serve: d
             "detail": f"{inputs} ids: largest kernel tensor {big['name']} has {big['elements']} "
                       f"elements (32-bit offsets break at 2**31 = {INT32_ELEMENTS})"}
     flags["block_quant_shapes"] = {
-        "raised": bool(K % 128 or I % 128),
-        "detail": f"hidden {K}, intermediate {I}: FP8 128x128 block quantisation needs both to be "
-                  "multiples of 128"}
+        "raised": bool(K % SCALE_BLOCK or I % SCALE_BLOCK),
+        "detail": f"hidden {K}, intermediate {I}: FP8 {SCALE_BLOCK}x{SCALE_BLOCK} block "
+                  f"quantisation needs both to be multiples of {SCALE_BLOCK}"}
     ll_hint = deepep["ll_rdma_hint_bytes"]
     flags["fixed_rdma_below_ll_hint"] = {
         "raised": FIXED_RDMA_BYTES < ll_hint,
@@ -347,17 +348,17 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
     sims = {inputs: simulate_loads(router, ep=ep, num_tokens=ep * max_tokens, inputs=inputs)
             for inputs in INPUTS}
     deepep, cannot_serve = _size_buffers(cfg, backend, ep, max_tokens)
-    local_experts = cfg.num_experts // ep
+    local_num_experts = cfg.num_experts // ep
     layout = "batched" if backend == "deepep_low_latency" and ep > 1 else "standard"
-    weight_bytes = _weight_bytes(cfg, local_experts)
-    loads = _compute_loads(cfg, sims, layout=layout, local_experts=local_experts,
+    weight_bytes = _weight_bytes(cfg, local_num_experts)
+    loads = _compute_loads(cfg, sims, layout=layout, local_num_experts=local_num_experts,
                            group_tokens=ep * max_tokens, max_tokens=max_tokens,
                            fixed_bytes=weight_bytes + deepep["buffer_bytes"])
     flags = _raise_flags(cfg, loads, deepep, cannot_serve, ep=ep, max_tokens=max_tokens,
                          gpu_memory_gib=gpu_memory_gib)
     return {
         "model": cfg.to_dict(), "dp": dp, "ep": ep, "max_tokens": max_tokens, "backend": backend,
-        "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_experts,
+        "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_num_experts,
         "group_tokens": ep * max_tokens, "simulated_tokens": min(ep * max_tokens, SAMPLE_TOKENS),
         "seed": seed,
         "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",

@@ -1,13 +1,14 @@
 """Buffer sizes of the MoE layer, in plain Python (no torch import: the planner uses these).
 
-All shapes are in bf16 ELEMENTS. N is the intermediate size I (w1 [E_l, 2N, K], w2 [E_l, K, N]),
-K the hidden size, E_l the number of local experts.
+All shapes are in bf16 ELEMENTS. I is the intermediate size (w1 [E_l, 2I, K], w2 [E_l, K, I]),
+K the hidden size, E_l the number of local experts (local_num_experts).
 
 Contiguous layout (TritonExperts / DeepGemmExperts, see ops/permute.py): M tokens routed to topk
-experts each give M*topk slots; every local expert's segment starts at a multiple of ALIGNMENT
-rows, so M_sum = round_up(M*topk + E_l*(ALIGNMENT-1), ALIGNMENT) rows hold them all. The layout's
-int32 index vectors (m_indices and src_row [M_sum], dest [M*topk], per-chunk expert counts of at
-most M_sum entries) take at most 4*M_sum int32 = LAYOUT_INDEX_COLUMNS bf16 elements per row.
+experts each give M*topk slots; every local expert's segment starts at a multiple of ROW_ALIGNMENT
+rows, so M_sum = round_up(M*topk + E_l*(ROW_ALIGNMENT-1), ROW_ALIGNMENT) rows hold them all. The
+layout's int32 index vectors (m_indices and src_row [M_sum], dest [M*topk], per-chunk expert
+counts of at most M_sum entries) take at most 4*M_sum int32 = LAYOUT_INDEX_COLUMNS bf16 elements
+per row.
 
 Batched layout (BatchedTritonExperts / BatchedDeepGemmExperts, see fused_moe/batched_experts.py):
 T rows per local expert slice.
@@ -15,55 +16,61 @@ T rows per local expert slice.
 
 from __future__ import annotations
 
-ALIGNMENT = 128
+# Every expert's segment of the contiguous layout starts at a multiple of this many rows
+# (DeepGEMM's M alignment of that layout: no GEMM tile spans two experts). It only happens to equal
+# SCALE_BLOCK.
+ROW_ALIGNMENT = 128
+# Channels per FP8 activation scale group and side of a weight scale block. Defined here, in plain
+# Python, for the planner; the kernels import it as vllm_moe_fixes.ops.fp8.SCALE_BLOCK.
+SCALE_BLOCK = 128
 LAYOUT_INDEX_COLUMNS = 8  # bf16 elements per M_sum row holding the layout's int32 index vectors
 
 
 def contiguous_num_rows(num_slots: int, local_num_experts: int) -> int:
     """M_sum = round_up(num_slots + local_num_experts * 127, 128): rows of the contiguous layout."""
-    rows = num_slots + local_num_experts * (ALIGNMENT - 1)
-    return (rows + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    rows = num_slots + local_num_experts * (ROW_ALIGNMENT - 1)
+    return (rows + ROW_ALIGNMENT - 1) // ROW_ALIGNMENT * ROW_ALIGNMENT
 
 
 def _fp8_with_scales_columns(cols: int) -> int:
     """bf16 elements per row holding `cols` fp8 bytes and their cols/128 float32 scales."""
-    return -(-(cols + cols // ALIGNMENT * 4) // 2)
+    return -(-(cols + cols // SCALE_BLOCK * 4) // 2)
 
 
-def contiguous_workspace_shapes(M: int, N: int, K: int, topk: int, local_num_experts: int):
+def contiguous_workspace_shapes(M: int, I: int, K: int, topk: int, local_num_experts: int):
     """(ws13, ws2, out) element shapes of the contiguous experts for M tokens.
 
     ws13 [M_sum, .] holds the permuted input A (K fp8 bytes + K/32 scale bytes per row), then the
-    requantised SiLU output G' (N + N/32 bytes per row), then the reduced output [M, K] when it is
+    requantised SiLU output G' (I + I/32 bytes per row), then the reduced output [M, K] when it is
     not the layer's own output (so its columns also cover M*K / M_sum). ws2 [M_sum, max(2N, K) +
     LAYOUT_INDEX_COLUMNS] holds GEMM1's output H [M_sum, 2N], then GEMM2's output [M_sum, K],
     followed by the layout's index vectors. out is the reduced [M, K].
     """
     m_sum = contiguous_num_rows(M * topk, local_num_experts)
-    cols13 = max(_fp8_with_scales_columns(K), _fp8_with_scales_columns(N), -(-M * K // m_sum))
-    return (m_sum, cols13), (m_sum, max(2 * N, K) + LAYOUT_INDEX_COLUMNS), (M, K)
+    cols13 = max(_fp8_with_scales_columns(K), _fp8_with_scales_columns(I), -(-M * K // m_sum))
+    return (m_sum, cols13), (m_sum, max(2 * I, K) + LAYOUT_INDEX_COLUMNS), (M, K)
 
 
-def batched_workspace_shapes(T: int, N: int, K: int, local_num_experts: int):
+def batched_workspace_shapes(T: int, I: int, K: int, local_num_experts: int):
     """(ws13, ws2, out) element shapes of the batched experts for T rows per expert slice.
 
     ws13 holds H [E_l, T, 2N] (GEMM1's output), later the output Y [E_l, T, K] at its start. ws2
-    holds the requantised SiLU output G' (N fp8 bytes = N/2 bf16 elements per row) followed by its
-    float32 scales (N/128 per row = N/64 bf16 elements). N and K are multiples of 128 for any
+    holds the requantised SiLU output G' (I fp8 bytes = I/2 bf16 elements per row) followed by its
+    float32 scales (I/128 per row = I/64 bf16 elements). I and K are multiples of 128 for any
     runnable layer.
     """
     e = local_num_experts
-    return (e, T, max(2 * N, K)), (e, T, _fp8_with_scales_columns(N)), (e, T, K)
+    return (e, T, max(2 * I, K)), (e, T, _fp8_with_scales_columns(I)), (e, T, K)
 
 
-def layer_declared_bytes(M: int, N: int, K: int, topk: int, local_num_experts: int) -> int:
+def layer_declared_bytes(M: int, I: int, K: int, topk: int, local_num_experts: int) -> int:
     """Bytes one contiguous-layout layer call (NoEP + TritonExperts / DeepGemmExperts) of M tokens
     in one pass allocates on top of inputs and weights: the two bf16 workspaces (index vectors
     included), the returned bf16 output [M, K], and prepare's quantised input (fp8 [M, K]) and its
     float32 scales [M, K/128]."""
-    ws13, ws2, _ = contiguous_workspace_shapes(M, N, K, topk, local_num_experts)
+    ws13, ws2, _ = contiguous_workspace_shapes(M, I, K, topk, local_num_experts)
     workspaces = 2 * (ws13[0] * ws13[1] + ws2[0] * ws2[1])
-    return workspaces + 2 * M * K + M * K + 4 * M * (K // ALIGNMENT)
+    return workspaces + 2 * M * K + M * K + 4 * M * (K // SCALE_BLOCK)
 
 
 def expected_rows_per_expert(max_tokens_per_rank: int | None, num_dispatchers: int, topk: int,

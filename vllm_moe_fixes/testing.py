@@ -1,5 +1,6 @@
 """What tests, benchmarks and users of the layer share: random block-FP8 layer weights, the
-float32 reference of a whole MoE layer, the accuracy metrics it is judged by, and a kernel count.
+float32 reference of a whole MoE layer, the unfused torch path over the same ops (the benchmarks'
+anchor), the accuracy metrics they are judged by, and a kernel count.
 
     w1, w1_scale, w2, w2_scale = random_fp8_moe_weights(num_experts, K, I, generator=g)
     out = kernel(x, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale, w2_scale=w2_scale)
@@ -16,10 +17,14 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_moe_fixes.ops.activation import silu_and_mul
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, dequant_block_fp8
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.ops.moe_sum import moe_sum
+from vllm_moe_fixes.ops.permute import build_contiguous_layout_ref
 
 __all__ = ["Fp8MoEWeights", "calc_diff", "kernels_per_call", "moe_reference", "quant_block_fp8",
-           "random_fp8_moe_weights", "rel_err"]
+           "random_fp8_moe_weights", "rel_err", "unfused_moe_layer"]
 
 
 # ------------------------------------------------------------------------- weights
@@ -107,6 +112,42 @@ def moe_reference(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
         y = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ w2_e.t()
         out.index_add_(0, token, y * weights[token, slot].unsqueeze(1))
     return out
+
+
+def unfused_moe_layer(x: torch.Tensor, weights: Fp8MoEWeights | tuple, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, gemm) -> torch.Tensor:
+    """The layer as separate torch-level steps on the given grouped GEMM, every intermediate a new
+    tensor: quantise x, lay its rows out by expert (the stable-sort reference), GEMM1,
+    silu_and_mul then the quant into MN-major scales, GEMM2, gather each token's k rows and
+    moe_sum them with the router weights.
+
+    Arguments:
+        x: bf16 [M, K]; weights: (w1, w1_scale, w2, w2_scale) of the local experts, as
+            Fp8MoEWeights documents; topk_weights float32 [M, k]; topk_ids int [M, k], local ids.
+        gemm: `gemm((a_q, a_s), (w_q, w_s), out, m_indices)`, a contiguous grouped FP8 GEMM (an
+            experts class's `gemm`).
+
+    Returns bf16 [M, K]. On CPU every step is a torch reference, so it matches the modular
+    kernel with NoEP + TritonExperts bit for bit (tested); on a GPU it is the benchmarks' anchor.
+    """
+    w1, w1s, w2, w2s = weights
+    M, k = topk_ids.shape
+    hidden = x.shape[1]
+    a_q, a_s = per_token_group_quant_fp8(x, SCALE_BLOCK)
+    lay = build_contiguous_layout_ref(topk_ids, w1.shape[0], None)
+    src = lay.src_row.long().clamp(min=0)
+    used = (lay.src_row >= 0).unsqueeze(1)
+    a_p = (a_q.view(torch.uint8)[src] * used.to(torch.uint8)).view(FP8_DTYPE)
+    a_ps = (a_s[src] * used).t().contiguous().t()  # MN-major copy
+    m_idx = lay.m_indices
+    h = torch.empty(a_p.shape[0], w1.shape[1], dtype=torch.bfloat16, device=x.device)
+    gemm((a_p, a_ps), (w1, w1s), h, m_idx)
+    g_q, g_s = per_token_group_quant_fp8(silu_and_mul(h), SCALE_BLOCK, column_major_scales=True,
+                                         tma_aligned_scales=True)
+    y = torch.empty(a_p.shape[0], hidden, dtype=torch.bfloat16, device=x.device)
+    gemm((g_q, g_s), (w2, w2s), y, m_idx)
+    rows = torch.where((lay.dest >= 0).unsqueeze(1), y[lay.dest.long().clamp(min=0)], 0)
+    return moe_sum(rows.view(M, k, hidden), topk_weights=topk_weights)
 
 
 # ------------------------------------------------------------------------- metrics

@@ -1,4 +1,4 @@
-"""silu_and_mul: the gated activation between the two expert GEMMs, x [..., 2N] -> [..., N].
+"""silu_and_mul: the gated activation between the two expert GEMMs, x [..., 2I] -> [..., I].
 
 Numbers: `F.silu(gate) * up` in x's dtype, bit for bit, as vLLM's kernel and its torch reference
 compute it: silu(g) = g / (1 + exp(-g)) in float32 (torch's formula on CUDA), rounded to x's dtype,
@@ -8,7 +8,7 @@ accurate expf (libdevice, as torch's kernel does) and divides with IEEE rounding
 CPU exp in the last float32 bit (CPU tensors run the torch reference in normal use).
 
 Kernel: one program per tile of BLOCK_M rows x BLOCK_N output channels, loading the gate half
-x[..., :N] and the up half x[..., N:]. int64 offsets.
+x[..., :I] and the up half x[..., I:]. int64 offsets.
 """
 
 import torch
@@ -45,34 +45,34 @@ def silu_and_mul_values(gate, up, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, M, N, x_row_stride, out_row_stride,
+    x_ptr, out_ptr, M, I, x_row_stride, out_row_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
     gate_ptr = x_ptr + rows[:, None] * x_row_stride + cols[None, :]
     gate = tl.load(gate_ptr, mask=mask, other=0.0)
-    up = tl.load(gate_ptr + N, mask=mask, other=0.0)
+    up = tl.load(gate_ptr + I, mask=mask, other=0.0)
     y = silu_and_mul_values(gate, up, out_ptr.dtype.element_ty, INTERPRETED)
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], y, mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int = 1,
                         block_n: int | None = None, num_warps: int = 4) -> None:
-    """Launch on validated 2-D tensors: x [M, 2N], out [M, N], both with stride(1) == 1."""
-    M, N = out.shape
-    if M == 0 or N == 0:
+    """Launch on validated 2-D tensors: x [M, 2I], out [M, I], both with stride(1) == 1."""
+    M, I = out.shape
+    if M == 0 or I == 0:
         return
-    block_n = block_n or min(1024, next_power_of_2(N))
-    grid = ((M + block_m - 1) // block_m, (N + block_n - 1) // block_n)
-    _silu_and_mul_kernel[grid](x, out, M, N, x.stride(0), out.stride(0),
+    block_n = block_n or min(1024, next_power_of_2(I))
+    grid = ((M + block_m - 1) // block_m, (I + block_n - 1) // block_n)
+    _silu_and_mul_kernel[grid](x, out, M, I, x.stride(0), out.stride(0),
                                BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=INTERPRETING,
                                num_warps=num_warps)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2N] -> `F.silu(x[..., :N]) * x[..., N:]` as [..., N] in x's dtype (silu rounded to
+    """x [..., 2I] -> `F.silu(x[..., :I]) * x[..., I:]` as [..., I] in x's dtype (silu rounded to
     x's dtype, then the product rounded again)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -82,11 +82,11 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     """SiLU-gated product.
 
     Arguments:
-        x: [..., 2N] bfloat16 / float16 / float32, last dimension contiguous.
-        out: optional [..., N] contiguous tensor of x's dtype and device; written and returned.
+        x: [..., 2I] bfloat16 / float16 / float32, last dimension contiguous.
+        out: optional [..., I] contiguous tensor of x's dtype and device; written and returned.
 
     Returns:
-        out: [..., N] in x's dtype, `F.silu(x[..., :N]) * x[..., N:]` bit for bit (silu rounded to
+        out: [..., I] in x's dtype, `F.silu(x[..., :I]) * x[..., I:]` bit for bit (silu rounded to
         x's dtype, then the product rounded again; see the module docstring).
         CUDA tensors run the Triton kernel (int64 offsets), CPU tensors the torch reference.
     """
@@ -96,7 +96,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     in_shape = x.shape
     ndim = len(in_shape)
     if ndim == 0 or in_shape[-1] % 2:
-        raise ValueError(f"x must be [..., 2N] with an even last dimension, got {tuple(in_shape)}")
+        raise ValueError(f"x must be [..., 2I] with an even last dimension, got {tuple(in_shape)}")
     if x.stride(-1) != 1 and x.numel() > 1:
         raise ValueError(f"x's last dimension must be contiguous, got strides {tuple(x.stride())}")
     n = in_shape[-1] // 2

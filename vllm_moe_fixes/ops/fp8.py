@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import torch
 
+# Channels per activation scale group; side of a weight scale block. Plain Python in sizes.py, so
+# that the torch-free planner sizes with the same number.
+from vllm_moe_fixes.sizes import SCALE_BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SCALE_BLOCK = 128  # channels per activation scale group; side of a weight scale block
 
 # float32 scales per 16 bytes: the row padding of the MN-major (TMA-aligned) layout.
 _TMA_ALIGN_ROWS = 16 // 4
@@ -31,8 +34,8 @@ def tma_aligned_rows(rows: int) -> int:
 
 
 def empty_mn_major_scales(shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
-    """Uninitialised float32 scales of logical `shape` [..., rows, groups], MN-major and TMA-aligned:
-    strides (..., 1, tma_aligned_rows(rows)) in the last two dimensions."""
+    """Uninitialised float32 scales of logical `shape` [..., rows, groups], MN-major and
+    TMA-aligned: strides (..., 1, tma_aligned_rows(rows)) in the last two dimensions."""
     *batch, rows, groups = shape
     storage = torch.empty((*batch, groups, tma_aligned_rows(rows)), dtype=torch.float32,
                           device=device)

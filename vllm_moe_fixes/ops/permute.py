@@ -2,8 +2,8 @@
 
 The contiguous grouped GEMM (DeepGEMM's `m_grouped_fp8_gemm_nt_contiguous`, or our Triton one)
 wants the rows of each local expert next to each other, every expert's segment starting at a
-multiple of ALIGNMENT = 128 rows, and an int32 `m_indices` naming the expert of every row (-1 for
-padding). With M tokens routed to k experts each there are M*k slots; slot s = m*k + j is token m's
+multiple of ROW_ALIGNMENT = 128 rows (vllm_moe_fixes.sizes), and an int32 `m_indices` naming the
+expert of every row (-1 for padding). With M tokens routed to k experts each there are M*k slots; slot s = m*k + j is token m's
 j-th choice. A slot whose expert is not on this rank (id -1, expert_map gives -1, or an id out of
 range) gets no row: it contributes nothing to its token (DeepEP's contract for id -1).
 
@@ -28,10 +28,11 @@ program per chunk, sums the counts over all chunks (segment sizes, hence 128-ali
 starts by a cumulative sum) and over the earlier chunks (its slots' offset inside each segment),
 ranks its slots within the chunk by a cumulative sum of the one-hot matrix, and writes dest,
 src_row and m_indices of its slots' rows. Up to SINGLE_PROGRAM_SLOTS slots (decode) there is one
-chunk, whose program counts its own slots: kernel 1 is not launched. Padding rows are written by one program each: the up to
-127 rows closing expert e's segment by program e % n_chunks, the tail after the last segment in a
-grid-strided loop. Every row is written exactly once. Each program loads n_chunks * E_l counts;
-CHUNK grows with the slot count so that n_chunks stays near 256 or below.
+chunk, whose program counts its own slots: kernel 1 is not launched. Padding rows are written by
+one program each: the up to 127 rows closing expert e's segment by program e % n_chunks, the tail
+after the last segment in a grid-strided loop. Every row is written exactly once. Each program
+loads n_chunks * E_l counts; CHUNK grows with the slot count so that n_chunks stays near 256 or
+below.
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes._validate import check as _check
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.moe_sum import moe_sum_ref
 from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_bf16_grid
-from vllm_moe_fixes.sizes import ALIGNMENT, contiguous_num_rows
+from vllm_moe_fixes.sizes import ROW_ALIGNMENT, contiguous_num_rows
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_ALIGN = tl.constexpr(ALIGNMENT)
 
 
 @dataclass
@@ -103,8 +104,8 @@ def carve_layout(buf: torch.Tensor, num_slots: int,
 # build_contiguous_layout: two Triton kernels on CUDA, a stable sort in torch as the reference
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _local_ids(ids_ptr, map_ptr, slots, num_slots, k, stride_m, stride_k, E, E_l,
-               HAS_MAP: tl.constexpr):
+def _local_ids(ids_ptr, map_ptr, slots, num_slots, k, stride_m, stride_k, E,
+               local_num_experts, HAS_MAP: tl.constexpr):
     """Local expert of each slot, -1 when it has none (id -1, mapped to -1, or out of range)."""
     ok = slots < num_slots
     ids = tl.load(ids_ptr + (slots // k).to(tl.int64) * stride_m + (slots % k) * stride_k,
@@ -113,37 +114,40 @@ def _local_ids(ids_ptr, map_ptr, slots, num_slots, k, stride_m, stride_k, E, E_l
         known = (ids >= 0) & (ids < E)
         ids = tl.load(map_ptr + tl.where(known, ids, 0), mask=ok & known, other=-1)
     ids = ids.to(tl.int32)
-    return tl.where((ids >= 0) & (ids < E_l), ids, -1)
+    return tl.where((ids >= 0) & (ids < local_num_experts), ids, -1)
 
 
 @triton.jit
-def _layout_count_kernel(ids_ptr, map_ptr, counts_ptr, num_slots, k, stride_m, stride_k, E, E_l,
-                         HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _layout_count_kernel(ids_ptr, map_ptr, counts_ptr, num_slots, k, stride_m, stride_k, E,
+                         local_num_experts, HAS_MAP: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK_E: tl.constexpr):
     """counts[c, e] = slots of chunk c whose local expert is e."""
     c = tl.program_id(0)
     loc = _local_ids(ids_ptr, map_ptr, c * CHUNK + tl.arange(0, CHUNK), num_slots, k, stride_m,
-                     stride_k, E, E_l, HAS_MAP)
-    for e0 in range(0, E_l, BLOCK_E):
+                     stride_k, E, local_num_experts, HAS_MAP)
+    for e0 in range(0, local_num_experts, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         hits = (loc[:, None] == e[None, :]).to(tl.int32)
-        tl.store(counts_ptr + c * E_l + e, tl.sum(hits, axis=0), mask=e < E_l)
+        tl.store(counts_ptr + c * local_num_experts + e, tl.sum(hits, axis=0),
+                 mask=e < local_num_experts)
 
 
 @triton.jit
 def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, dest_ptr, num_slots,
-                           k, stride_m, stride_k, E, E_l, n_chunks, M_sum,
+                           k, stride_m, stride_k, E, local_num_experts, n_chunks, M_sum,
                            HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
                            BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                           COUNT_HERE: tl.constexpr):
+                           COUNT_HERE: tl.constexpr, ROW_ALIGNMENT: tl.constexpr):
     """Rows of chunk c's slots, and the padding rows this program owns (module docstring).
     COUNT_HERE: the only program counts its own slots (no counts from the first kernel)."""
     c = tl.program_id(0)
     slots = c * CHUNK + tl.arange(0, CHUNK)
-    loc = _local_ids(ids_ptr, map_ptr, slots, num_slots, k, stride_m, stride_k, E, E_l, HAS_MAP)
+    loc = _local_ids(ids_ptr, map_ptr, slots, num_slots, k, stride_m, stride_k, E,
+                     local_num_experts, HAS_MAP)
     dest = tl.full([CHUNK], -1, tl.int32)
     seg_end = c * 0  # first row after the segments of the expert blocks done so far
-    pad = tl.arange(0, _ALIGN)
-    for e0 in range(0, E_l, BLOCK_E):
+    pad = tl.arange(0, ROW_ALIGNMENT)
+    for e0 in range(0, local_num_experts, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         hits = loc[:, None] == e[None, :]
         rank = tl.cumsum(hits.to(tl.int32), axis=0)  # 1-based rank within this chunk
@@ -154,11 +158,12 @@ def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, des
             total = tl.zeros([BLOCK_E], tl.int32)
             for c0 in range(0, n_chunks, BLOCK_C):
                 cc = c0 + tl.arange(0, BLOCK_C)
-                cnt = tl.load(counts_ptr + cc[:, None] * E_l + e[None, :],
-                              mask=(cc < n_chunks)[:, None] & (e < E_l)[None, :], other=0)
+                cnt = tl.load(counts_ptr + cc[:, None] * local_num_experts + e[None, :],
+                              mask=(cc < n_chunks)[:, None] & (e < local_num_experts)[None, :],
+                              other=0)
                 total += tl.sum(cnt, axis=0)
                 before += tl.sum(tl.where((cc < c)[:, None], cnt, 0), axis=0)
-        padded = (total + _ALIGN - 1) // _ALIGN * _ALIGN
+        padded = (total + ROW_ALIGNMENT - 1) // ROW_ALIGNMENT * ROW_ALIGNMENT
         start = seg_end + tl.cumsum(padded, axis=0) - padded
         seg_end += tl.sum(padded, axis=0)
         # dest = segment start + earlier chunks' slots + rank within this chunk - 1.
@@ -166,10 +171,10 @@ def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, des
         # The padding closing each segment: rows [start + total, start + padded) of the experts
         # this program owns (e % n_chunks == c).
         rows = (start + total)[:, None] + pad[None, :]
-        owned = (e % n_chunks == c) & (e < E_l)
+        owned = (e % n_chunks == c) & (e < local_num_experts)
         mine = owned[:, None] & (pad[None, :] < (padded - total)[:, None])
-        tl.store(m_idx_ptr + rows, tl.full([BLOCK_E, _ALIGN], -1, tl.int32), mask=mine)
-        tl.store(src_ptr + rows, tl.full([BLOCK_E, _ALIGN], -1, tl.int32), mask=mine)
+        tl.store(m_idx_ptr + rows, tl.full([BLOCK_E, ROW_ALIGNMENT], -1, tl.int32), mask=mine)
+        tl.store(src_ptr + rows, tl.full([BLOCK_E, ROW_ALIGNMENT], -1, tl.int32), mask=mine)
     used = loc >= 0
     in_chunk = slots < num_slots
     tl.store(dest_ptr + slots, dest, mask=in_chunk)
@@ -201,20 +206,19 @@ def build_contiguous_layout_triton(topk_ids: torch.Tensor, local_num_experts: in
     """
     M, k = topk_ids.shape
     num_slots = M * k
-    E_l = local_num_experts
-    chunk, n_chunks, block_e, block_c = _layout_launch_sizes(num_slots, E_l)
+    chunk, n_chunks, block_e, block_c = _layout_launch_sizes(num_slots, local_num_experts)
     has_map = expert_map is not None
     emap = expert_map if has_map else counts
-    E = expert_map.shape[0] if has_map else E_l
+    E = expert_map.shape[0] if has_map else local_num_experts
     common = (topk_ids, emap, counts)
-    args = (num_slots, k, topk_ids.stride(0), topk_ids.stride(1), E, E_l)
+    args = (num_slots, k, topk_ids.stride(0), topk_ids.stride(1), E, local_num_experts)
     if n_chunks > 1:
         _layout_count_kernel[(n_chunks,)](*common, *args, HAS_MAP=has_map, CHUNK=chunk,
                                           BLOCK_E=block_e, num_warps=num_warps)
     _layout_scatter_kernel[(n_chunks,)](
         *common, layout.m_indices, layout.src_row, layout.dest, *args, n_chunks,
         layout.m_indices.shape[0], HAS_MAP=has_map, CHUNK=chunk, BLOCK_E=block_e,
-        BLOCK_C=block_c, BLOCK_R=1024, COUNT_HERE=n_chunks == 1,
+        BLOCK_C=block_c, BLOCK_R=1024, COUNT_HERE=n_chunks == 1, ROW_ALIGNMENT=ROW_ALIGNMENT,
         num_warps=num_warps)
 
 
@@ -245,7 +249,7 @@ def build_contiguous_layout_ref(topk_ids: torch.Tensor, local_num_experts: int,
     counts = torch.zeros(local_num_experts + 1, dtype=torch.int64, device=dev)
     counts.index_add_(0, local + 1, torch.ones_like(local))  # bin 0: slots with no row
     num_nonlocal, counts = counts[:1], counts[1:]
-    padded = (counts + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    padded = (counts + ROW_ALIGNMENT - 1) // ROW_ALIGNMENT * ROW_ALIGNMENT
     seg_start = torch.cumsum(padded, 0) - padded
     first_sorted = num_nonlocal + torch.cumsum(counts, 0) - counts
     sorted_local, order = torch.sort(local, stable=True)
@@ -422,19 +426,19 @@ def permute_rows(a_q: torch.Tensor, a_s: torch.Tensor, layout: ContiguousLayout,
 
     One Triton kernel on CUDA (`permute_rows_triton`), the torch reference elsewhere.
     """
-    _check(a_q.dtype == torch.float8_e4m3fn and a_q.dim() == 2 and a_q.stride(1) == 1,
+    _check(a_q.dtype == FP8_DTYPE and a_q.dim() == 2 and a_q.stride(1) == 1,
            f"a_q must be float8_e4m3fn [M, K] with contiguous rows, got {a_q.dtype} "
            f"{tuple(a_q.shape)} strides {a_q.stride()}")
     M, K = a_q.shape
     m_sum = layout.src_row.shape[0]
-    _check(K % ALIGNMENT == 0, f"a_q: K must be a multiple of {ALIGNMENT}, got {K}")
-    _check(a_s.dtype == torch.float32 and tuple(a_s.shape) == (M, K // ALIGNMENT),
-           f"a_s must be float32 {(M, K // ALIGNMENT)}, got {a_s.dtype} {tuple(a_s.shape)}")
-    _check(out_q.dtype == torch.float8_e4m3fn and tuple(out_q.shape) == (m_sum, K)
+    _check(K % SCALE_BLOCK == 0, f"a_q: K must be a multiple of {SCALE_BLOCK}, got {K}")
+    _check(a_s.dtype == torch.float32 and tuple(a_s.shape) == (M, K // SCALE_BLOCK),
+           f"a_s must be float32 {(M, K // SCALE_BLOCK)}, got {a_s.dtype} {tuple(a_s.shape)}")
+    _check(out_q.dtype == FP8_DTYPE and tuple(out_q.shape) == (m_sum, K)
            and out_q.stride(1) == 1, f"out_q must be float8_e4m3fn {(m_sum, K)} with contiguous "
            f"rows, got {out_q.dtype} {tuple(out_q.shape)} strides {out_q.stride()}")
-    _check(out_s.dtype == torch.float32 and tuple(out_s.shape) == (m_sum, K // ALIGNMENT),
-           f"out_s must be float32 {(m_sum, K // ALIGNMENT)}, got {out_s.dtype} "
+    _check(out_s.dtype == torch.float32 and tuple(out_s.shape) == (m_sum, K // SCALE_BLOCK),
+           f"out_s must be float32 {(m_sum, K // SCALE_BLOCK)}, got {out_s.dtype} "
            f"{tuple(out_s.shape)}")
     devices = {t.device for t in (a_q, a_s, out_q, out_s, layout.src_row)}
     _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")

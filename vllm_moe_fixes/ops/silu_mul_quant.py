@@ -1,7 +1,7 @@
 """SiLU-and-mul fused with the 1x128 FP8 requantisation: GEMM1's output in, GEMM2's input out.
 
-    x    [M, 2N] or [E, T, 2N]  (gate | up)  --one kernel-->  x_q float8_e4m3fn [..., N]
-                                                               x_s float32 [..., N / 128]
+    x    [M, 2I] or [E, T, 2I]  (gate | up)  --one kernel-->  x_q float8_e4m3fn [..., I]
+                                                               x_s float32 [..., I / 128]
 
 Numbers: exactly `per_token_group_quant_fp8(silu_and_mul(x), 128)`: silu(gate) rounded to x's
 dtype, the product with `up` rounded to x's dtype, then vLLM's quant recipe on that value
@@ -28,7 +28,6 @@ from vllm_moe_fixes.ops.fp8_quant import QUANT_EPS, per_token_group_quant_fp8_re
 from vllm_moe_fixes.ops.triton_utils import INTERPRETING
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
-_GROUP = tl.constexpr(SCALE_BLOCK)
 
 # Default launch config (`python -m benchmarks.bench_quant --only fused --sweep` times others):
 # 4 rows x 4 groups per program keeps decode tiles small (a few rows per expert) and reads 8 KiB
@@ -42,7 +41,7 @@ def _silu_and_mul_quant_fp8_kernel(
     x_expert_stride, x_row_stride, q_expert_stride, q_row_stride,
     s_expert_stride, s_row_stride, s_group_stride, eps,
     HAS_COUNTS: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    UE8M0: tl.constexpr, INTERPRETED: tl.constexpr,
+    UE8M0: tl.constexpr, INTERPRETED: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
     expert = tl.program_id(2).to(tl.int64)
     # Rows of this expert to process: all of them, or its count (at most rows_per_expert).
@@ -59,18 +58,18 @@ def _silu_and_mul_quant_fp8_kernel(
     groups = tl.program_id(1).to(tl.int64) * GROUPS_PER_PROG + i % GROUPS_PER_PROG
     valid = (rows < num_rows) & (groups < num_groups)
     mask = valid[:, None]
-    cols = tl.arange(0, _GROUP)
+    cols = tl.arange(0, SCALE_BLOCK)
 
-    # gate is x[..., :N], up is x[..., N:], N = num_groups * 128.
+    # gate is x[..., :I], up is x[..., I:], I = num_groups * 128.
     gate_ptrs = (x_ptr + expert * x_expert_stride
-                 + (rows * x_row_stride + groups * _GROUP)[:, None] + cols[None, :])
+                 + (rows * x_row_stride + groups * SCALE_BLOCK)[:, None] + cols[None, :])
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
-    up = tl.load(gate_ptrs + num_groups * _GROUP, mask=mask, other=0.0)
+    up = tl.load(gate_ptrs + num_groups * SCALE_BLOCK, mask=mask, other=0.0)
     y = silu_and_mul_values(gate, up, x_ptr.dtype.element_ty, INTERPRETED)
     q, scale = quantize_groups(y.to(tl.float32), eps, UE8M0, INTERPRETED)
 
     q_ptrs = (q_ptr + expert * q_expert_stride
-              + (rows * q_row_stride + groups * _GROUP)[:, None] + cols[None, :])
+              + (rows * q_row_stride + groups * SCALE_BLOCK)[:, None] + cols[None, :])
     tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + expert * s_expert_stride + rows * s_row_stride + groups * s_group_stride,
              scale, mask=valid)
@@ -100,15 +99,15 @@ def silu_and_mul_quant_fp8_triton(
         x_e, x.stride(-2), q_e, x_q.stride(-2), s_e, x_s.stride(-2), x_s.stride(-1), QUANT_EPS,
         HAS_COUNTS=expert_num_tokens is not None, BLOCK_M=block_m,
         GROUPS_PER_PROG=groups_per_prog, UE8M0=use_ue8m0, INTERPRETED=INTERPRETING,
-        num_warps=num_warps,
+        SCALE_BLOCK=SCALE_BLOCK, num_warps=num_warps,
     )
 
 
 def silu_and_mul_quant_fp8_ref(
     x: torch.Tensor, use_ue8m0: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., 2N] (N a multiple of 128) -> the FP8 quant (group 128, eps QUANT_EPS) of
-    silu_and_mul_ref(x): (float8_e4m3fn [..., N], float32 [..., N / 128] row-major)."""
+    """x [..., 2I] (I a multiple of 128) -> the FP8 quant (group 128, eps QUANT_EPS) of
+    silu_and_mul_ref(x): (float8_e4m3fn [..., I], float32 [..., I / 128] row-major)."""
     return per_token_group_quant_fp8_ref(silu_and_mul_ref(x), SCALE_BLOCK, QUANT_EPS, use_ue8m0)
 
 
@@ -133,13 +132,13 @@ def _check_x(x, expert_num_tokens) -> None:
                          f"{getattr(x, 'dtype', type(x))}")
     want_dim = 2 if expert_num_tokens is None else 3
     if x.dim() != want_dim:
-        layout = ("[M, 2N] without expert_num_tokens" if want_dim == 2
-                  else "[E, T, 2N] with expert_num_tokens")
+        layout = ("[M, 2I] without expert_num_tokens" if want_dim == 2
+                  else "[E, T, 2I] with expert_num_tokens")
         raise ValueError(f"x must be {layout}, got shape {tuple(x.shape)}")
-    two_n = x.shape[-1]
-    if two_n == 0 or two_n % (2 * SCALE_BLOCK):
-        raise ValueError(f"x's last dimension 2N={two_n} must be a positive multiple of "
-                         f"{2 * SCALE_BLOCK} (N a multiple of {SCALE_BLOCK})")
+    two_i = x.shape[-1]
+    if two_i == 0 or two_i % (2 * SCALE_BLOCK):
+        raise ValueError(f"x's last dimension 2I={two_i} must be a positive multiple of "
+                         f"{2 * SCALE_BLOCK} (I a multiple of {SCALE_BLOCK})")
     if x.stride(-1) != 1:
         raise ValueError(f"x's rows must be contiguous (last stride 1), got strides "
                          f"{tuple(x.stride())}")
@@ -188,12 +187,12 @@ def silu_and_mul_quant_fp8(
     """SiLU-and-mul, then per-token 1x128 FP8 quantisation, in one kernel.
 
     Arguments:
-        x: `[M, 2N]` (contiguous layout), or `[E, T, 2N]` with expert_num_tokens (batched
-            layout), bfloat16 / float16 / float32, last stride 1, N a positive multiple of 128.
-            The gate is x[..., :N], the up projection x[..., N:].
-        out_q: optional `[..., N]` float8_e4m3fn on x's device, last stride 1 (any other
+        x: `[M, 2I]` (contiguous layout), or `[E, T, 2I]` with expert_num_tokens (batched
+            layout), bfloat16 / float16 / float32, last stride 1, I a positive multiple of 128.
+            The gate is x[..., :I], the up projection x[..., I:].
+        out_q: optional `[..., I]` float8_e4m3fn on x's device, last stride 1 (any other
             strides); written and returned as x_q. Default: a new contiguous tensor.
-        out_s: optional `[..., N / 128]` float32 on x's device, any strides (e.g. the MN-major
+        out_s: optional `[..., I / 128]` float32 on x's device, any strides (e.g. the MN-major
             scales the grouped GEMMs read); written and returned as x_s. Default: MN-major and
             TMA-aligned (`ops.fp8.empty_mn_major_scales`).
         expert_num_tokens: `[E]` torch.int32 on x's device, for the batched layout: only rows
@@ -202,7 +201,7 @@ def silu_and_mul_quant_fp8(
         use_ue8m0: round every scale up to a power of two, as per_token_group_quant_fp8 does.
 
     Returns:
-        x_q: float8_e4m3fn `[..., N]`, x_s: float32 `[..., N / 128]`, bit for bit
+        x_q: float8_e4m3fn `[..., I]`, x_s: float32 `[..., I / 128]`, bit for bit
         `per_token_group_quant_fp8(silu_and_mul(x), 128, use_ue8m0=use_ue8m0)` on the rows
         processed (eps 1e-10; NaN and inf as documented there).
 
