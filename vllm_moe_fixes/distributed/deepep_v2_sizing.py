@@ -36,7 +36,8 @@ from __future__ import annotations
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
 
 MiB = 2**20
-# Every ElasticBuffer size (and its workspace) is a multiple of this (symmetric::kNumAlignmentBytes).
+# Every ElasticBuffer size (and its workspace) is a multiple of this
+# (symmetric::kNumAlignmentBytes).
 ELASTIC_ALIGNMENT = 2 * MiB
 # Each part of a token's slot is rounded up to this many bytes (ptx::kNumTMAAlignBytes).
 TMA_ALIGNMENT = 32

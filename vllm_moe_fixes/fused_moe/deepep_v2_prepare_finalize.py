@@ -95,9 +95,9 @@ class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
         topk_ids int32/int64 [M, k] global ids.
 
         Returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the rows received,
-        topk_ids [M', k] (topk_idx_dtype) GLOBAL ids of experts on this rank (-1 elsewhere and on rows past
-        the valid ones) and topk_weights f32 [M', k] (0 at -1). With do_cpu_sync the aligned
-        per-local-expert counts are kept in ``num_recv_tokens_per_expert`` (else []).
+        topk_ids [M', k] (topk_idx_dtype) GLOBAL ids of experts on this rank (-1 elsewhere and on
+        rows past the valid ones) and topk_weights f32 [M', k] (0 at -1). With do_cpu_sync the
+        aligned per-local-expert counts are kept in ``num_recv_tokens_per_expert`` (else []).
         expert_map is not used: V2 places expert g on rank g // E_l.
         """
         n = self.max_tokens_per_rank_
