@@ -66,7 +66,8 @@ def _measure(rank: int, world: int, backend: str, n: int, hidden: int, experts: 
     free_after, _ = torch.cuda.mem_get_info()
     torch_growth = torch.cuda.memory_reserved() - reserved_before
     result = {"taken_bytes": free_before - free_after - torch_growth,
-              "torch_growth_bytes": torch_growth, "num_nvl_bytes": buffer.num_nvl_bytes, "num_rdma_bytes": buffer.num_rdma_bytes,
+              "torch_growth_bytes": torch_growth, "num_nvl_bytes": buffer.num_nvl_bytes,
+              "num_rdma_bytes": buffer.num_rdma_bytes,
               "gpu_total_bytes": total}
     # Free the buffer on every rank together (its destructor synchronises the group), not at exit.
     clear_all2all_buffers()

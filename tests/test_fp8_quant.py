@@ -13,6 +13,7 @@ from vllm_moe_fixes.ops.fp8_quant import (
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_ref,
     per_token_group_quant_fp8_triton,
+    quant_batched_fp8,
 )
 from vllm_moe_fixes.ops.triton_utils import next_power_of_2
 
@@ -187,8 +188,8 @@ def test_division_not_reciprocal_multiply(dtype, kernel_device):
     scale = torch.maximum(g.abs().amax(-1), torch.tensor(1e-10)) / torch.tensor(FP8_MAX)
     by_multiply = (g * (torch.ones_like(scale) / scale).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
     by_division = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
-    codes = (by_multiply.to(FP8_DTYPE).view(torch.uint8), by_division.to(FP8_DTYPE).view(torch.uint8))
-    assert (codes[0] != codes[1]).any()
+    multiplied = by_multiply.to(FP8_DTYPE).view(torch.uint8)
+    assert (multiplied != by_division.to(FP8_DTYPE).view(torch.uint8)).any()
     want = by_division.to(FP8_DTYPE).flatten(-2).view(torch.uint8)
     x_q = torch.empty(x.shape, dtype=FP8_DTYPE, device=kernel_device)
     x_s = torch.empty((64, 8), device=kernel_device)
@@ -423,3 +424,15 @@ def test_gpu_launch_configs_bit_exact(block_m, groups, warps):
                                      groups_per_prog=groups, num_warps=warps)
     assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(x_s, ref_s)
+
+
+def test_quant_batched_fp8_into_given_buffers():
+    x = torch.randn(3, 5, 256).bfloat16()
+    want_q, want_s = quant_batched_fp8(x)
+    assert want_s.shape == (3, 5, 2) and want_s.stride() == (10, 1, 5)
+    q = torch.empty(3, 5, 256, dtype=FP8_DTYPE)
+    s_mn = torch.full((3, 2, 5), float("nan")).transpose(1, 2)
+    got_q, got_s = quant_batched_fp8(x, out_q=q, out_s=s_mn)
+    assert got_q.data_ptr() == q.data_ptr() and got_s is s_mn
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_s, want_s)

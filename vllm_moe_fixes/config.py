@@ -59,7 +59,8 @@ class MoEModelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{self.name}: {field} must be an int > 0, got {value!r}")
         dense = self.num_dense_layers
-        if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense < self.num_layers:
+        if (isinstance(dense, bool) or not isinstance(dense, int)
+                or not 0 <= dense < self.num_layers):
             raise ValueError(f"{self.name}: num_dense_layers must be an int in [0, num_layers="
                              f"{self.num_layers}), got {dense!r}")
         factor = self.routed_scaling_factor

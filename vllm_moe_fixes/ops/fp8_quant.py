@@ -54,9 +54,9 @@ UE8M0_SCALE_FLOOR = 1e-10
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _UE8M0_FLOOR = tl.constexpr(UE8M0_SCALE_FLOOR)
 
-# Default launch config, from the H200 sweep (benchmarks/bench_quant.py --sweep, K = 7168, bf16,
-# triton 3.6): block_m 8, 8 groups per program, 8 warps has the smallest worst-case slowdown over
-# M in {256, 4096, 16384, 65536} against each M's best config.
+# Default launch config, from the H200 sweep (`python -m benchmarks.bench_quant --sweep`, K = 7168,
+# bf16; benchmarks/results/bench_quant_sweep.json): block_m 8, 8 groups per program, 8 warps has
+# the smallest worst-case slowdown over M in {256, 4096, 16384, 65536} against each M's best.
 QUANT_BLOCK_M, QUANT_GROUPS_PER_PROG, QUANT_NUM_WARPS = 8, 8, 8
 QUANT_EPS = 1e-10  # default floor on a group's max |x| (vLLM's)
 

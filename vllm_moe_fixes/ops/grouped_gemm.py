@@ -47,24 +47,9 @@ from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, dequant_block_fp8
 # shared memory). Per-thread pointer loads remain only for operands a descriptor cannot describe
 # (see _tma_views).
 #
-# Default, from the H200 sweep (triton 3.6, torch 2.11; TFLOP/s over useful rows of the
-# contiguous kernel; tiles BLOCK_MxBLOCK_N, warps, stages, GROUP_M; DeepGEMM v2.6.1 on an H200 in
-# brackets; every column loads through TMA but the last, 64x128 4w 4s g16 with pointer loads):
-#   groups x rows, N, K          64x128 4w 3s g16  64x128 4w 3s g8  64x128 4w 4s g16  pointers
-#   4 x 8192, 4096, 7168 [1225]        873.5            847.5            823.2           723.9
-#   4 x 8192, 7168, 2048 [1134]        875.1            831.9            777.7           686.9
-#   8 x 4096, 4096, 7168 [1206]        825.5            816.5            799.3           726.0
-#   8 x 1024, 4096, 7168 [1085]        850.7            822.0            809.2           697.5
-#   8 x 1024, 7168, 2048 [1061]        801.0            790.8            743.7           639.5
-#  32 x  256, 4096, 7168  [904]        759.6            773.7            698.1           597.3
-# The default reaches 71% / 77% / 68% / 78% / 75% / 84% of DeepGEMM's figures and 0.98 of the
-# per-shape best (geometric mean) among 30 configs. 128x128 with 8 warps, 4 stages, TMA reaches
-# 0.90; without TMA no config passes 0.81 (0.92 with a 168-register cap). Neither two rescaled
-# accumulator chains (0.53-0.86) nor persistent programs (0.74-0.83; 0.955 with TMA and the
-# register cap, best only at 32x256) beat it, so the kernels have neither. The masked kernel
-# shares the main loop and the TMA operand shapes, so it takes the same default.
-# `python -m benchmarks.bench_grouped_gemm --sweep` re-times the default against its neighbours
-# (benchmarks/results/grouped_gemm_sweep_h200.log).
+# Default: 0.98 of the per-shape best (geometric mean) of 30 configs in the H200 sweep whose
+# table is benchmarks/results/grouped_gemm_config_h200.txt; the masked kernel shares the main loop
+# and the TMA operand shapes, so it takes the same default.
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, num_warps=4, num_stages=3)
 
 

@@ -51,11 +51,10 @@ def _moe_sum_kernel(
 
 
 def default_moe_sum_config(num_rows: int, K: int) -> dict:
-    """Default launch config, from the H200 sweep (`python -m benchmarks.bench_moe_sum --sweep`,
-    top-8, K = 7168, bf16, triton 3.6): one row per program, 4 warps; 4096 channels per program from
-    1024 rows up (129.9 us = 4070 GB/s at 4096 rows, 487.5 us = 4336 GB/s at 16384, the best
-    there), 2048 below (13.9 us at 256 rows, the best there; 4096 gives 15.1 us: 2 programs per
-    row leave too few programs for 132 SMs). Capped at K's next power of two."""
+    """Default launch config, the fastest of the H200 sweep (`python -m benchmarks.bench_moe_sum
+    --sweep`, top-8, K = 7168, bf16; benchmarks/results/bench_moe_sum_sweep.json): one row per
+    program, 4 warps; 4096 channels per program from 1024 rows up, 2048 below (there 4096 leaves
+    too few programs for 132 SMs). Capped at K's next power of two."""
     block_k = 4096 if num_rows >= 1024 else 2048
     return {"block_m": 1, "block_k": min(block_k, next_power_of_2(K)), "num_warps": 4}
 

@@ -3,8 +3,8 @@
 The contiguous grouped GEMM (DeepGEMM's `m_grouped_fp8_gemm_nt_contiguous`, or our Triton one)
 wants the rows of each local expert next to each other, every expert's segment starting at a
 multiple of ROW_ALIGNMENT = 128 rows (vllm_moe_fixes.sizes), and an int32 `m_indices` naming the
-expert of every row (-1 for padding). With M tokens routed to k experts each there are M*k slots; slot s = m*k + j is token m's
-j-th choice. A slot whose expert is not on this rank (id -1, expert_map gives -1, or an id out of
+expert of every row (-1 for padding). With M tokens routed to k experts each there are M*k
+slots; slot s = m*k + j is token m's j-th choice. A slot whose expert is not on this rank (id -1, expert_map gives -1, or an id out of
 range) gets no row: it contributes nothing to its token (DeepEP's contract for id -1).
 
 Sizes. Expert e with c_e slots takes round_up(c_e, 128) <= c_e + 127 rows, so all segments fit in
