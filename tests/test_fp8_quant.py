@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import triton
 
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX
 from vllm_moe_fixes.ops.fp8_quant import (
@@ -15,7 +14,6 @@ from vllm_moe_fixes.ops.fp8_quant import (
     per_token_group_quant_fp8_triton,
     quant_batched_fp8,
 )
-from vllm_moe_fixes.ops.triton_utils import next_power_of_2
 
 
 
@@ -129,11 +127,6 @@ def test_round_in_fp32_keeps_sign_of_zero(round_in_fp32, kernel_device):
     assert (got[:, len(vals):] == 0x80).all()
     ref_q, _ = per_token_group_quant_fp8_ref(x, 128, 1e-10, False)
     assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8))
-
-
-def test_next_power_of_2_matches_triton():
-    assert [next_power_of_2(n) for n in range(1, 5000)] == [
-        triton.next_power_of_2(n) for n in range(1, 5000)]
 
 
 @pytest.mark.parametrize("shape", SHAPES + [(2, 3, 256), (256,)])
