@@ -1,5 +1,7 @@
-"""DeepGEMM's architecture check: float32 scales run on SM90 only; SM100 (UE8M0 scales) and other
-GPUs are refused once per device, at the experts' construction and in the GEMM wrappers."""
+"""The DeepGEMM compatibility module (_compat/deep_gemm.py): the API names of old and new releases,
+the errors without DeepGEMM, and the architecture check (float32 scales run on SM90 only; SM100
+(UE8M0 scales) and other GPUs are refused once per device, at the experts' construction and in
+the GEMM wrappers)."""
 
 import types
 
@@ -79,3 +81,39 @@ def test_cpu_operands_and_no_cuda_are_not_checked(fake_gpu, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     DeepGemmExperts()
     assert fake_gpu["queries"] == 0
+
+
+def test_compat_resolve_names():
+    def fn_new(a, b, d, grouped_layout, *, disable_ue8m0_cast=False):
+        pass
+
+    class PybindLike:  # no signature, keyword visible only in the docstring
+        __doc__ = ("m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, "
+                   "disable_ue8m0_cast: bool = False)")
+
+        def __call__(self, *a, **k):
+            pass
+
+    new = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=fn_new,
+                                fp8_m_grouped_gemm_nt_masked=PybindLike(),
+                                get_mk_alignment_for_contiguous_layout=lambda: 128)
+    api = compat.resolve(new)
+    assert api.contiguous is fn_new and api.contiguous_ue8m0_kwarg
+    assert api.masked is new.fp8_m_grouped_gemm_nt_masked
+    old = types.SimpleNamespace(m_grouped_gemm_fp8_fp8_bf16_nt_contiguous=lambda l, r, o, m: None,
+                                m_grouped_gemm_fp8_fp8_bf16_nt_masked=lambda l, r, o, m, e: None,
+                                get_m_alignment_for_contiguous_layout=lambda: 64)
+    api = compat.resolve(old)
+    assert api.contiguous is old.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous
+    assert not api.contiguous_ue8m0_kwarg and not api.masked_ue8m0_kwarg
+    assert api.alignment() == 64
+
+
+def test_compat_without_deep_gemm(monkeypatch):
+    monkeypatch.setattr(compat, "_API", None)
+    assert not compat.is_available()
+    for call in (compat.require, DeepGemmExperts,
+                 lambda: compat.m_grouped_fp8_gemm_nt_contiguous(None, None, None, None)):
+        with pytest.raises(RuntimeError,
+                           match="VLLM_USE_DEEP_GEMM.*DeepGEMM|DeepGEMM.*VLLM_USE_DEEP_GEMM"):
+            call()

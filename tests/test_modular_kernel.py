@@ -13,6 +13,7 @@ from _layer import RecordingNoEP, check_close, make_problem, new_kernel, referen
 from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts
 from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts, FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.sizes import layer_declared_bytes
 from vllm_moe_fixes.testing import calc_diff, kernels_per_call
@@ -23,9 +24,9 @@ GRID = [(E, k, M) for E in (1, 8, 32) for k in (1, 2, 6) for M in (1, 7, 130) if
 @pytest.mark.parametrize("use_map", [False, True])
 @pytest.mark.parametrize("E,k,M", GRID)
 def test_kernel_matches_reference(E, k, M, use_map):
-    N = 256 if (E + k + M) % 2 else 128
+    I = 256 if (E + k + M) % 2 else 128
     local = list(range(0, E, 2)) if use_map and E > 1 else ([0] if use_map else None)
-    p = make_problem(M, k, E, N, 256, local=local, seed=E * 100 + k * 10 + M)
+    p = make_problem(M, k, E, I, 256, local=local, seed=E * 100 + k * 10 + M)
     out = run(new_kernel(), p, E)
     ref = reference(p)
     if ref.abs().sum() == 0:  # every slot non-local (possible for M=1): exact zeros
@@ -216,13 +217,13 @@ def test_finalize_taking_the_keyword_gets_it():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_map", [False, True])
-@pytest.mark.parametrize("E,k,M,N,K", [(8, 2, 1, 256, 512), (32, 6, 130, 512, 1024),
+@pytest.mark.parametrize("E,k,M,I,K", [(8, 2, 1, 256, 512), (32, 6, 130, 512, 1024),
                                        (8, 8, 2048, 1024, 2048), (64, 6, 777, 256, 2048)])
-def test_gpu_kernel_matches_reference(E, k, M, N, K, use_map):
+def test_gpu_kernel_matches_reference(E, k, M, I, K, use_map):
     local = list(range(1, E, 2)) if use_map else None
-    p = make_problem(M, k, E, N, K, local=local, device="cuda", seed=M)
+    p = make_problem(M, k, E, I, K, local=local, device="cuda", seed=M)
     kernel = new_kernel()
-    ws13, ws2, _ = TritonExperts().workspace_shapes(M, N, K, k, E if local is None else len(local))
+    ws13, ws2, _ = TritonExperts().workspace_shapes(M, I, K, k, E if local is None else len(local))
     kernel.workspaces.get(ws13, ws2, torch.device("cuda"), torch.bfloat16)
     kernel.workspaces.ws13.fill_(float("nan"))
     kernel.workspaces.ws2.fill_(float("nan"))
@@ -235,8 +236,8 @@ def test_gpu_peak_memory_is_declared_workspaces_plus_output():
     """Counted: ws13 + ws2 (declared, bf16) + returned output [M, K] bf16 + prepare's a1q
     [M, K] fp8 and a1q_scale [M, K/128] f32. Small per-call index vectors and the requantised
     scales are what the 5% covers."""
-    E, k, M, N, K = 8, 8, 2048, 1024, 2048
-    p = make_problem(M, k, E, N, K, device="cuda", seed=1)
+    E, k, M, I, K = 8, 8, 2048, 1024, 2048
+    p = make_problem(M, k, E, I, K, device="cuda", seed=1)
     run(new_kernel(), p, E)  # compile the Triton kernels outside the measurement
     kernel = new_kernel()
     torch.cuda.synchronize()
@@ -246,10 +247,10 @@ def test_gpu_peak_memory_is_declared_workspaces_plus_output():
     out = run(kernel, p, E)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    ws13, ws2, _ = TritonExperts().workspace_shapes(M, N, K, k, E)
+    ws13, ws2, _ = TritonExperts().workspace_shapes(M, I, K, k, E)
     declared = 2 * (ws13[0] * ws13[1] + ws2[0] * ws2[1])
-    expected = layer_declared_bytes(M, N, K, k, E)
-    assert expected == declared + out.numel() * 2 + M * K + M * (K // 128) * 4
+    expected = layer_declared_bytes(M, I, K, k, E)
+    assert expected == declared + out.numel() * 2 + M * K + M * (K // SCALE_BLOCK) * 4
     assert expected <= peak <= 1.05 * expected, (peak, expected)
     # steady state: a second call allocates only the output, prepare's tensors and small vectors
     torch.cuda.reset_peak_memory_stats()
@@ -262,9 +263,9 @@ def test_gpu_peak_memory_is_declared_workspaces_plus_output():
 def test_gpu_past_2_31_elements():
     """M*k*K = 40000*8*7168 > 2**31: the unreduced output and the permuted layout need 64-bit
     offsets. Checked against the reference overall and on the last tokens."""
-    E, k, M, N, K = 8, 8, 40000, 128, 7168
+    E, k, M, I, K = 8, 8, 40000, 128, 7168
     assert M * k * K > 2 ** 31
-    p = make_problem(M, k, E, N, K, device="cuda", seed=2)
+    p = make_problem(M, k, E, I, K, device="cuda", seed=2)
     out = run(new_kernel(), p, E)
     ref = reference(p)
     check_close(out, ref)
@@ -282,9 +283,9 @@ def test_gpu_cuda_graph_replay_matches_eager(M, use_map, chunk, monkeypatch):
     VLLM_FUSED_MOE_CHUNK_SIZE=768 the captured call makes three passes."""
     if chunk is not None:
         monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", str(chunk))
-    E, k, N, K = 16, 8, 512, 1024
+    E, k, I, K = 16, 8, 512, 1024
     local = list(range(1, E, 2)) if use_map else None
-    p = make_problem(M, k, E, N, K, local=local, device="cuda", seed=M)
+    p = make_problem(M, k, E, I, K, local=local, device="cuda", seed=M)
     kernel = new_kernel()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -298,7 +299,7 @@ def test_gpu_cuda_graph_replay_matches_eager(M, use_map, chunk, monkeypatch):
         out = run(kernel, p, E)
     assert ws_ptrs(kernel) == ptrs  # captured against the workspaces the kernel keeps
     for seed in (M + 1, M + 2):
-        q = make_problem(M, k, E, N, K, local=local, device="cuda", seed=seed)
+        q = make_problem(M, k, E, I, K, local=local, device="cuda", seed=seed)
         for name in ("hidden_states", "topk_weights", "topk_ids"):  # same weights, new inputs
             p[name].copy_(q[name])
         graph.replay()
@@ -315,8 +316,8 @@ def test_gpu_cuda_graph_replay_matches_eager(M, use_map, chunk, monkeypatch):
                                                     marks=pytest.mark.deep_gemm)])
 def test_gpu_contiguous_path_launches_at_most_8_kernels(M, backend):
     """input quant + layout (2) + permute + GEMM1 + SiLU-quant + GEMM2 + un-permute-reduce."""
-    E, k, N, K = 8, 8, 256, 512
-    p = make_problem(M, k, E, N, K, device="cuda", seed=M)
+    E, k, I, K = 8, 8, 256, 512
+    p = make_problem(M, k, E, I, K, device="cuda", seed=M)
     kernel = new_kernel(DeepGemmExperts() if backend == "deep_gemm" else None)
     per_call, names = kernels_per_call(lambda: run(kernel, p, E), copies=False)
     assert per_call <= 8, (per_call, names)
@@ -362,8 +363,8 @@ def test_gpu_id_range_check_is_opt_in(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_chunked_layer_matches_reference(monkeypatch):
     """A prefill-sized call in chunks (4 passes) against the reference and one pass."""
-    E, k, M, N, K = 16, 8, 4000, 256, 1024
-    p = make_problem(M, k, E, N, K, local=list(range(0, E, 2)), device="cuda", seed=4)
+    E, k, M, I, K = 16, 8, 4000, 256, 1024
+    p = make_problem(M, k, E, I, K, local=list(range(0, E, 2)), device="cuda", seed=4)
     one_pass = run(new_kernel(), p, E)
     monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", "1024")
     out = run(new_kernel(), p, E)
@@ -376,16 +377,16 @@ def test_gpu_chunked_call_peaks_at_one_chunks_workspaces(monkeypatch):
     """M = 20000 tokens in chunks of 4096: the peak is one chunk's workspaces and quantised input
     plus the whole [M, K] output, not the workspaces of 20000 tokens."""
     from vllm_moe_fixes._memory import peak_memory
-    E, k, M, N, K, chunk = 8, 8, 20000, 256, 1024, 4096
+    E, k, M, I, K, chunk = 8, 8, 20000, 256, 1024, 4096
     monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", str(chunk))
-    p = make_problem(M, k, E, N, K, device="cuda", seed=7)
+    p = make_problem(M, k, E, I, K, device="cuda", seed=7)
     run(new_kernel(), p, E)  # compile outside the measurement
     torch.cuda.empty_cache()
     with peak_memory() as peak:
         run(new_kernel(), p, E)
-    expected = layer_declared_bytes(chunk, N, K, k, E) - 2 * chunk * K + 2 * M * K
+    expected = layer_declared_bytes(chunk, I, K, k, E) - 2 * chunk * K + 2 * M * K
     assert expected <= peak.bytes <= 1.05 * expected, (peak.bytes, expected)
-    assert peak.bytes < 0.5 * layer_declared_bytes(M, N, K, k, E)
+    assert peak.bytes < 0.5 * layer_declared_bytes(M, I, K, k, E)
 
 
 @pytest.mark.gpu
@@ -397,7 +398,7 @@ def test_gpu_no_ep_prepare_matches_public_quant(M):
     ids = torch.zeros(M, 8, dtype=torch.int32, device="cuda")
     prep = NoEPPrepareAndFinalize().prepare(x, torch.rand(M, 8, device="cuda"), ids, 8, None,
                                             False)
-    q, s = per_token_group_quant_fp8(x, 128)
+    q, s = per_token_group_quant_fp8(x, SCALE_BLOCK)
     assert prep.a1q.dtype == q.dtype and prep.a1q.shape == q.shape and prep.a1q.is_contiguous()
     assert prep.a1q_scale.shape == s.shape and prep.a1q_scale.stride() == s.stride()
     assert torch.equal(prep.a1q.view(torch.uint8), q.view(torch.uint8))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -96,26 +96,28 @@ def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int,
     return views_cached_on(ws13, ws2, _make_views, num_slots, local_num_experts, K, I)
 
 
-class _Launchers(NamedTuple):
-    """The four non-GEMM steps on validated arguments: Triton on CUDA, torch on CPU."""
-
-    layout: Callable  # (topk_ids, E_l, expert_map, layout, counts)
-    permute: Callable  # (a1q, a1q_scale, layout, out_q, out_s)
-    silu_quant: Callable  # (h, out_q, out_s)
-    reduce: Callable  # (y, dest, topk_weights, out)
+# The four steps around the GEMMs, on validated arguments: the Triton launcher for CUDA tensors
+# (without the public ops' checks: host time counts at small M), the torch reference for CPU ones.
+def _build_layout(topk_ids, local_num_experts, expert_map, layout, counts) -> None:
+    build = build_contiguous_layout_triton if topk_ids.is_cuda else build_contiguous_layout_into
+    build(topk_ids, local_num_experts, expert_map, layout, counts)
 
 
-TRITON_LAUNCHERS = _Launchers(
-    build_contiguous_layout_triton, permute_rows_triton,
-    lambda h, q, s: silu_and_mul_quant_fp8_triton(h, q, s, None, False), unpermute_reduce_triton)
-TORCH_LAUNCHERS = _Launchers(
-    build_contiguous_layout_into, permute_rows_ref,
-    lambda h, q, s: silu_and_mul_quant_fp8(h, out_q=q, out_s=s), unpermute_reduce_ref)
+def _permute(a1q, a1q_scale, layout, out_q, out_s) -> None:
+    permute = permute_rows_triton if a1q.is_cuda else permute_rows_ref
+    permute(a1q, a1q_scale, layout, out_q, out_s)
 
 
-def launchers_for(device: torch.device) -> _Launchers:
-    """The launchers for tensors on `device`."""
-    return TRITON_LAUNCHERS if device.type == "cuda" else TORCH_LAUNCHERS
+def _silu_and_mul_quant(h, out_q, out_s) -> None:
+    if h.is_cuda:
+        silu_and_mul_quant_fp8_triton(h, out_q, out_s, None, False)
+    else:
+        silu_and_mul_quant_fp8(h, out_q=out_q, out_s=out_s)
+
+
+def _unpermute_reduce(y, dest, topk_weights, out) -> None:
+    reduce = unpermute_reduce_triton if y.is_cuda else unpermute_reduce_ref
+    reduce(y, dest, topk_weights, out)
 
 
 class ContiguousExperts(Experts):
@@ -142,15 +144,14 @@ class ContiguousExperts(Experts):
         """output bf16 [M, K] (written: the weighted sum of each token's k expert rows; slots
         with no local expert add 0); topk_weights float32 [M, k] or None (plain sum)."""
         local_num_experts, K, I = w2.shape
-        run = launchers_for(a1q.device)
         v = workspace_views(workspace13, workspace2, topk_ids.numel(), local_num_experts, K, I)
         m_indices = v.layout.m_indices
-        run.layout(topk_ids, local_num_experts, expert_map, v.layout, v.counts)
-        run.permute(a1q, a1q_scale, v.layout, *v.a)
+        _build_layout(topk_ids, local_num_experts, expert_map, v.layout, v.counts)
+        _permute(a1q, a1q_scale, v.layout, *v.a)
         self.gemm(v.a, (w1, w1_scale), v.h, m_indices)
-        run.silu_quant(v.h, *v.g)
+        _silu_and_mul_quant(v.h, *v.g)
         self.gemm(v.g, (w2, w2_scale), v.y, m_indices)
-        run.reduce(v.y, v.layout.dest, topk_weights, output)
+        _unpermute_reduce(v.y, v.layout.dest, topk_weights, output)
 
 
 class TritonExperts(ContiguousExperts):

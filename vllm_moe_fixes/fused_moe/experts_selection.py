@@ -15,7 +15,7 @@ from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 
 logger = logging.getLogger(__name__)
 
-_warned_shapes: set[tuple[str, int, int]] = set()  # (Triton class, N, K) already warned about
+_warned_shapes: set[tuple[str, int, int]] = set()  # (Triton class, I, K) already warned about
 
 
 def select_experts_of(triton_cls: type, deep_gemm_cls: type, intermediate_size: int,
@@ -24,11 +24,11 @@ def select_experts_of(triton_cls: type, deep_gemm_cls: type, intermediate_size: 
 
     Args:
         triton_cls / deep_gemm_cls: the layout's Experts classes (constructed without arguments).
-        intermediate_size: N = I (w1 is [E_l, 2N, K], w2 is [E_l, K, N]), an int >= 1.
+        intermediate_size: I (w1 is [E_l, 2I, K], w2 is [E_l, K, I]), an int >= 1.
         hidden_size: K, an int >= 1.
 
     With VLLM_USE_DEEP_GEMM=1: DeepGEMM not importable -> RuntimeError naming VLLM_USE_DEEP_GEMM
-    and DeepGEMM; N or K not a multiple of 128 -> triton_cls with one logged warning per shape,
+    and DeepGEMM; I or K not a multiple of 128 -> triton_cls with one logged warning per shape,
     but no backend runs such a layer: the kernel's validation then raises a ValueError naming the
     sizes. Sizes that are not positive ints -> ValueError.
     """
@@ -41,7 +41,7 @@ def select_experts_of(triton_cls: type, deep_gemm_cls: type, intermediate_size: 
         key = (triton_cls.__name__, intermediate_size, hidden_size)
         if key not in _warned_shapes:
             _warned_shapes.add(key)
-            logger.warning("VLLM_USE_DEEP_GEMM=1 but N=%d, K=%d are not multiples of %d: no "
+            logger.warning("VLLM_USE_DEEP_GEMM=1 but I=%d, K=%d are not multiples of %d: no "
                            "backend (DeepGEMM or Triton) supports such a layer; returning %s, "
                            "and running the layer will raise a ValueError",
                            intermediate_size, hidden_size, SCALE_BLOCK, triton_cls.__name__)

@@ -1,0 +1,67 @@
+"""The layer call's argument checks (fused_moe/kernel_checks.py), table-driven: each bad argument
+raises a ValueError naming it and the rule."""
+
+import pytest
+import torch
+from _layer import make_problem, new_kernel, run
+
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
+
+
+def test_bad_arguments():
+    kernel = new_kernel()
+    p = make_problem(4, 2, 8, 128, 256)
+
+    def bad(match, **changes):
+        q = dict(p, **{k: v for k, v in changes.items() if k in p})
+        kw = {k: v for k, v in changes.items() if k not in p}
+        with pytest.raises(ValueError, match=match):
+            run(kernel, q, kw.pop("E", 8), **kw)
+
+    x, w1, w2 = p["hidden_states"], p["w1"], p["w2"]
+    bad("hidden_states", hidden_states=x.float())
+    bad("hidden_states", hidden_states=x[None])
+    bad("contiguous channels", hidden_states=x.t().contiguous().t())
+    bad("w1", w1=w1.view(torch.uint8))
+    bad("w1", w1=w1[:, :, :128])
+    bad("w2", w2=w2[:, :, :64])
+    bad("w2", w2=w2[:4])
+    bad("w1_scale", w1_scale=p["w1_scale"][:, :1])
+    bad("w2_scale", w2_scale=p["w2_scale"].double())
+    bad("topk_ids", topk_ids=p["topk_ids"].short())
+    bad("topk_ids", topk_ids=p["topk_ids"].float())
+    bad("topk_ids", topk_ids=p["topk_ids"][:3])
+    bad("topk_weights", topk_weights=p["topk_weights"].bfloat16())
+    bad("topk_weights", topk_weights=p["topk_weights"][:, :1])
+    bad("global_num_experts", E=16)
+    bad("expert_map", expert_map=torch.arange(8))  # int64
+    bad("expert_map", expert_map=torch.arange(4, dtype=torch.int32))
+    bad("activation", activation="gelu")
+    bad("apply_router_weight_on_input needs topk == 1", apply_router_weight_on_input=True)
+    bad("must be a torch.Tensor", w1_scale=None)
+    bad(r"w1_scale must be float32 \(8, 2, 2\)", w1_scale=torch.ones(8, 3, 2))  # exact shape
+    bad("max_tokens_across_ranks", max_tokens_across_ranks=3)
+    bad("max_tokens_across_ranks", max_tokens_across_ranks=4.0)
+    ids = p["topk_ids"].clone()
+    ids[2, 1] = 8
+    bad(r"topk_ids must hold expert ids in \[-1, 8\).*topk_ids\[2, 1\] = 8", topk_ids=ids)
+    ids[2, 1] = -2
+    bad(r"topk_ids\[2, 1\] = -2", topk_ids=ids.int())
+    emap = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8], dtype=torch.int32)
+    bad(r"expert_map must hold local ids in \[-1, 8\).*expert_map\[7\] = 8", expert_map=emap)
+
+
+@pytest.mark.parametrize("I,K", [(96, 256), (128, 200), (192, 128), (64, 64)])
+def test_sizes_not_multiples_of_128_refused(I, K):
+    """No backend runs such a layer: validation says so before anything runs."""
+    E, M = 4, 3
+    w1 = torch.zeros(E, 2 * I, K).to(FP8_DTYPE)
+    w2 = torch.zeros(E, K, I).to(FP8_DTYPE)
+    cdiv = lambda a: -(-a // SCALE_BLOCK)  # noqa: E731
+    p = dict(hidden_states=torch.randn(M, K).bfloat16(), w1=w1, w2=w2,
+             topk_weights=torch.ones(M, 1), topk_ids=torch.zeros(M, 1, dtype=torch.int64),
+             w1_scale=torch.ones(E, cdiv(2 * I), cdiv(K)), w2_scale=torch.ones(E, cdiv(K), cdiv(I)),
+             expert_map=None)
+    with pytest.raises(ValueError, match=rf"K={K} and intermediate size I={I} must be multiples "
+                                         r"of 128"):
+        run(new_kernel(), p, E)
