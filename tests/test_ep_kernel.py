@@ -10,6 +10,7 @@ single-rank NoEP kernel (the same FP8 arithmetic, so a tight tolerance).
 
 import pytest
 import torch
+import torch.distributed as dist
 from _dist import device_for, run_distributed
 from test_torch_buffer import make_problem
 
@@ -25,6 +26,7 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPLLPrepareAndFinalize,
 )
 from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
+from vllm_moe_fixes.fused_moe.kernel_factory import local_expert_map, make_moe_kernel
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.ops.fp8_quant import quant_batched_fp8
@@ -46,10 +48,11 @@ def make_weights(seed, num_experts, hidden, device):
 
 
 def local_slice(rank, world, num_experts, w1, s1, w2, s2):
-    e_l = num_experts // world
-    sl = slice(rank * e_l, (rank + 1) * e_l)
-    expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=w1.device)
-    expert_map[sl] = torch.arange(e_l, dtype=torch.int32, device=w1.device)
+    """This rank's experts of the full weights (rank r holds [r*E_l, (r+1)*E_l)) and the
+    expert_map of the group (make_moe_kernel's placement)."""
+    local_num_experts = num_experts // world
+    sl = slice(rank * local_num_experts, (rank + 1) * local_num_experts)
+    expert_map = local_expert_map(dist.group.WORLD, num_experts, w1.device)
     return w1[sl].contiguous(), s1[sl].contiguous(), w2[sl].contiguous(), s2[sl].contiguous(), expert_map
 
 
@@ -88,11 +91,12 @@ def _rank_problems(rank, world, hidden):
 
 
 def _ht_cases(rank, world, hidden=256):
-    buffer = TorchAll2AllBuffer(None)
     for ids, E, k, x, idx, w, (w1, s1, w2, s2), (lw1, ls1, lw2, ls2, expert_map) in \
             _rank_problems(rank, world, hidden):
-        pf = DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world, rank_expert_offset=rank * (E // world))
-        kernel = FusedMoEModularKernel(pf, TritonExperts())
+        kernel = make_moe_kernel(dist.group.WORLD, backend="naive", hidden_size=hidden,
+                                 intermediate_size=INTER, num_experts=E)
+        pf = kernel.prepare_finalize
+        assert type(pf) is DeepEPHTPrepareAndFinalize and type(kernel.experts) is TritonExperts
         out = kernel(x, lw1, lw2, w, idx, w1_scale=ls1, w2_scale=ls2, global_num_experts=E,
                      expert_map=expert_map)
         tight = None
@@ -215,9 +219,10 @@ def _deep_ep_worker(rank, world):
     """The same layer through real DeepEP buffers built by make_all2all_buffer."""
     dev = device_for(rank)
     hidden, max_tokens, E = 2048, 16, 32
-    ht = make_all2all_buffer("deepep_high_throughput", None, max_tokens_per_rank=max_tokens,
+    group = dist.group.WORLD
+    ht = make_all2all_buffer("deepep_high_throughput", group, max_tokens_per_rank=max_tokens,
                              hidden=hidden, num_experts=E)
-    ll = make_all2all_buffer("deepep_low_latency", None, max_tokens_per_rank=max_tokens,
+    ll = make_all2all_buffer("deepep_low_latency", group, max_tokens_per_rank=max_tokens,
                              hidden=hidden, num_experts=E)
     for seed, tokens, _, k, mode in CASES:
         xs, ids, ws = make_problem(seed, [min(t, max_tokens) for t in tokens(world)], E, k, hidden, mode, dev)
@@ -225,14 +230,12 @@ def _deep_ep_worker(rank, world):
         w1, s1, w2, s2 = make_weights(seed, E, hidden, dev)
         lw1, ls1, lw2, ls2, expert_map = local_slice(rank, world, E, w1, s1, w2, s2)
         kw = dict(w1_scale=ls1, w2_scale=ls2, global_num_experts=E, expert_map=expert_map)
-        ht_kernel = FusedMoEModularKernel(
-            DeepEPHTPrepareAndFinalize(ht, num_dispatchers=world, rank_expert_offset=rank * (E // world)),
-            TritonExperts())
-        check(ht_kernel(x, lw1, lw2, w, idx, **kw), x, w1, s1, w2, s2, idx, w)
-        ll_kernel = FusedMoEModularKernel(
-            DeepEPLLPrepareAndFinalize(ll, num_dispatchers=world, max_tokens_per_rank=max_tokens),
-            BatchedTritonExperts())
-        check(ll_kernel(x, lw1, lw2, w, idx, **kw), x, w1, s1, w2, s2, idx, w)
+        for backend, buffer in (("deepep_high_throughput", ht), ("deepep_low_latency", ll)):
+            kernel = make_moe_kernel(group, backend=backend, hidden_size=hidden,
+                                     intermediate_size=INTER, num_experts=E,
+                                     max_tokens_per_rank=max_tokens)
+            assert kernel.prepare_finalize.buffer is buffer  # built once per group and sizes
+            check(kernel(x, lw1, lw2, w, idx, **kw), x, w1, s1, w2, s2, idx, w)
         torch.cuda.synchronize()
 
 

@@ -20,8 +20,8 @@ def check_positive_int(name: str, value) -> None:
 
 
 def check_experts_per_rank(num_experts: int, num_ranks: int) -> int:
-    """Return E_local = num_experts // num_ranks; raise ValueError unless num_experts is a
-    positive multiple of num_ranks (expert g lives on rank g // E_local)."""
+    """Return E_l = num_experts // num_ranks; raise ValueError unless num_experts is a
+    positive multiple of num_ranks (expert g lives on rank g // E_l)."""
     if num_experts < 1 or num_experts % num_ranks:
         raise ValueError(f"num_experts={num_experts} is not divisible by the number of ranks "
                          f"{num_ranks} (num_experts must be a positive multiple of the rank count)")

@@ -98,7 +98,7 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     Arguments:
         buffer: a ``deep_ep.Buffer`` or ``TorchAll2AllBuffer`` over the expert-parallel group.
         num_dispatchers: ranks in that group (R).
-        rank_expert_offset: global id of this rank's first expert (rank * E_local): added to the
+        rank_expert_offset: global id of this rank's first expert (rank * E_l): added to the
             received local ids so the experts see global ids (with the caller's expert_map).
     """
 
