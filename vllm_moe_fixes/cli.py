@@ -115,7 +115,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            print(f"{'gpu ' + str(i):<10}{p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB")
+            print(f"{'gpu ' + str(i):<10}{p.name}, sm_{p.major}{p.minor}, "
+                  f"{p.total_memory / 2**30:.0f} GiB")
     else:
         print(f"{'gpu':<10}none (CPU tensors run the torch reference of every op)")
     has_ep, ep_text = _optional("deep_ep")
@@ -155,7 +156,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         if has_ep:
             print(f"  all-to-all: DeepEP {mode} (deep_ep.Buffer); none on a single rank")
         else:
-            print(f"  all-to-all: none: VLLM_ALL2ALL_BACKEND={backend} but DeepEP is not importable")
+            print(f"  all-to-all: none: VLLM_ALL2ALL_BACKEND={backend} but DeepEP is not "
+                  "importable")
             problems.append(f"VLLM_ALL2ALL_BACKEND={backend} needs DeepEP, which is not "
                             "importable: build it from source or set VLLM_ALL2ALL_BACKEND=naive")
     if problems:
@@ -188,13 +190,12 @@ def _demo_problem(args: argparse.Namespace, num_tokens: int):
 
     from vllm_moe_fixes.fused_moe.grouped_topk import grouped_topk
     from vllm_moe_fixes.fused_moe.routing import fused_topk
-    from vllm_moe_fixes.testing import quant_block_fp8
+    from vllm_moe_fixes.testing import random_fp8_moe_weights
 
     K, I, E = args.hidden, args.intermediate, args.experts
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(num_tokens, K, generator=g).to(torch.bfloat16)
-    w1 = quant_block_fp8(torch.randn(E, 2 * I, K, generator=g) / K ** 0.5)
-    w2 = quant_block_fp8(torch.randn(E, K, I, generator=g) / I ** 0.5)
+    w1q, w1s, w2q, w2s = random_fp8_moe_weights(E, K, I, generator=g)
     logits = torch.randn(num_tokens, E, generator=g)
     cfg = args.routing
     if cfg is not None and (cfg.n_group > 1 or cfg.scoring == "sigmoid"):
@@ -207,7 +208,7 @@ def _demo_problem(args: argparse.Namespace, num_tokens: int):
             routed_scaling_factor=cfg.routed_scaling_factor)
     else:
         topk_weights, topk_ids = fused_topk(logits, args.topk, True)
-    return x, w1, w2, topk_weights, topk_ids
+    return x, (w1q, w1s), (w2q, w2s), topk_weights, topk_ids
 
 
 def _time_calls(fn, device, reps: int):
@@ -263,8 +264,10 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
         import resource
         peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB process RSS"
     out = out.float().cpu()
-    return {"rank": rank, "diff": calc_diff(out, ref), "max_abs_err": float((out - ref).abs().max()),
-            "first_ms": first * 1e3, "median_ms": sorted(times)[len(times) // 2] * 1e3 if times else None,
+    median = sorted(times)[len(times) // 2] * 1e3 if times else None
+    return {"rank": rank, "diff": calc_diff(out, ref),
+            "max_abs_err": float((out - ref).abs().max()), "first_ms": first * 1e3,
+            "median_ms": median,
             "peak": peak, "prepare_finalize": type(kernel.prepare_finalize).__name__,
             "experts": type(kernel.experts).__name__, "all2all": _demo_all2all(args, world_size),
             "finite": bool(torch.isfinite(out).all())}
@@ -303,7 +306,8 @@ def _demo_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     nccl = dist.get_backend() == "nccl"
-    return _run_layer(args, rank, world_size, torch.device("cuda", rank) if nccl else torch.device("cpu"))
+    device = torch.device("cuda", rank) if nccl else torch.device("cpu")
+    return _run_layer(args, rank, world_size, device)
 
 
 def _apply_demo_model(args: argparse.Namespace) -> None:
@@ -351,8 +355,8 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
     if args.low_latency and backend == "deepep_high_throughput":
         raise UsageError("--low-latency needs the naive or deepep_low_latency backend")
     if envs.VLLM_USE_DEEP_GEMM and not deep_gemm.is_available():
-        raise UsageError("VLLM_USE_DEEP_GEMM=1 but DeepGEMM is not importable: build it from source "
-                         "or set VLLM_USE_DEEP_GEMM=0")
+        raise UsageError("VLLM_USE_DEEP_GEMM=1 but DeepGEMM is not importable: build it from "
+                         "source or set VLLM_USE_DEEP_GEMM=0")
     if n == 1 and args.low_latency:
         raise UsageError("--low-latency selects the expert-parallel low-latency dispatch: it needs "
                          "--world-size >= 2 (one rank runs without an all-to-all)")
@@ -373,9 +377,9 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
         elif backend == "deepep_high_throughput":
             deepep_nvl_bytes(args.hidden, n)
     except ValueError as e:
-        raise UsageError(f"{backend} ({'low-latency' if _demo_low_latency(args) else 'high-throughput'} "
-                         f"mode) cannot run --tokens {args.tokens} --hidden {args.hidden} "
-                         f"--experts {args.experts} --world-size {n}: {e}") from None
+        mode = "low-latency" if _demo_low_latency(args) else "high-throughput"
+        raise UsageError(f"{backend} ({mode} mode) cannot run --tokens {args.tokens} --hidden "
+                         f"{args.hidden} --experts {args.experts} --world-size {n}: {e}") from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -399,9 +403,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 -- a failed run is a failed demo: exit 1, with the error
         if n == 1:
             traceback.print_exc()
-        lines = str(e).strip().splitlines()  # a rank's error carries its whole traceback: the last line
+        # a rank's error carries its whole traceback: its last line says what failed
+        lines = str(e).strip().splitlines()
         print(f"demo FAILED: {type(e).__name__}: {lines[-1] if lines else ''}"
-              + (" (each failing rank printed its traceback above)" if n > 1 else ""), file=sys.stderr)
+              + (" (each failing rank printed its traceback above)" if n > 1 else ""),
+              file=sys.stderr)
         print("check vs moe_reference: FAIL (the layer did not run)")
         return 1
     r0 = results[0]
@@ -409,7 +415,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     worst = max(results, key=lambda r: r["diff"])
     ok = all(r["diff"] < DEMO_TOLERANCE and r["finite"] for r in results)
     for r in results:
-        med = f"{r['median_ms']:.2f} ms median of {args.reps}" if r["median_ms"] is not None else "no repeats"
+        med = "no repeats" if r["median_ms"] is None else \
+            f"{r['median_ms']:.2f} ms median of {args.reps}"
         print(f"  rank {r['rank']}: calc_diff {r['diff']:.2e}, max abs err {r['max_abs_err']:.3g}, "
               f"time {r['first_ms']:.1f} ms first call, {med}; peak {r['peak']}")
     print(f"check vs moe_reference: calc_diff {worst['diff']:.2e} "
