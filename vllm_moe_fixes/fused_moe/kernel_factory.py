@@ -55,10 +55,12 @@ def make_moe_kernel(ep_group: dist.ProcessGroup | None, *, hidden_size: int,
         max_tokens_per_rank: N, the most tokens one rank passes to a dispatch (sizes the
             low-latency buffer; longer calls run in chunks); None: VLLM_MOE_DP_CHUNK_SIZE.
         backend: "naive", "deepep_high_throughput" or "deepep_low_latency"; None:
-            VLLM_ALL2ALL_BACKEND. Not read without a group.
+            VLLM_ALL2ALL_BACKEND.
         low_latency: the low-latency (batched) dispatch; None: backend == "deepep_low_latency".
             The naive backend serves both modes; each DeepEP backend only its own.
         workspaces: a Workspaces shared with other layers' kernels; None: the kernel's own.
+        Without a group there is no dispatch: max_tokens_per_rank, backend and low_latency are
+        not read.
 
     Returns a FusedMoEModularKernel (see `make_prepare_finalize` and `select_experts_for`).
 
