@@ -1,0 +1,55 @@
+"""Run vLLM's offline ``LLM`` engine on each model directory given, one after the other in this
+process, and write what it produced as JSON:
+
+    python tests/vllm_support/engine_run.py OUT.json MODEL_DIR [MODEL_DIR ...]
+
+    {MODEL_DIR: {"tokens": [[int, ...] per prompt], "prompt_logprobs": [[float, ...] per prompt]}}
+
+Greedy decoding (temperature 0) of PROMPTS (token ids: the tiny checkpoints have no tokenizer),
+eager mode, one small KV cache. The prompt log-probs are those of the prompt's own tokens (the
+first has none). VLLM_MOE_FIXES and the other variables come from the caller's environment; the
+plugin loads through its entry point in every vLLM process.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+PROMPTS = [[1, 17, 54, 9, 30, 41, 7], [1, 50, 3, 3, 28], [1, 44, 45, 46, 47, 48, 49, 60, 61]]
+MAX_TOKENS = 8
+
+
+def run(model: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64,
+              max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=True, seed=0,
+              distributed_executor_backend="uni")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0,
+                            detokenize=False, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params)
+    result = {"tokens": [], "prompt_logprobs": []}
+    for prompt, out in zip(PROMPTS, outputs):
+        result["tokens"].append(list(out.outputs[0].token_ids))
+        result["prompt_logprobs"].append([entry[token].logprob for token, entry in
+                                          zip(prompt[1:], out.prompt_logprobs[1:])])
+    del llm
+    cleanup_dist_env_and_memory()
+    gc.collect()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    out_path, models = argv[0], argv[1:]
+    results = {model: run(model) for model in models}
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
