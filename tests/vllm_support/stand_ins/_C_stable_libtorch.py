@@ -1,0 +1,38 @@
+"""Stand-in for vLLM's compiled ``vllm/_C_stable_libtorch`` on a GPU machine without vLLM's .so
+files (copied there by tests/vllm_support/install_stand_ins.py; never part of the package).
+
+Defines, with ``torch.library``, the ``_C`` ops that vLLM's Python tree calls on the paths the
+plugin's GPU checks take: ``per_token_group_fp8_quant`` (plain torch: 1x128 groups, amax / fp8_max
+scales, optionally rounded up to powers of two) and the CUTLASS capability queries asked at import
+(all answer False, so vLLM never picks a CUTLASS kernel). NOT YET RUN: written while no device was
+lent; a first device run must check each schema against vLLM 0.33's callers.
+"""
+
+import torch
+
+_LIB = torch.library.Library("_C", "DEF")
+
+_LIB.define("per_token_group_fp8_quant(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, "
+            "int group_size, float eps, float fp8_min, float fp8_max, bool scale_ue8m0, "
+            "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned) -> ()")
+
+
+def _per_token_group_fp8_quant(x, out_q, out_s, group_size, eps, fp8_min, fp8_max, ue8m0,
+                               _transposed, _tma_aligned):
+    groups = x.float().unflatten(-1, (x.shape[-1] // group_size, group_size))
+    scale = groups.abs().amax(-1).clamp(min=eps) / fp8_max
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (groups / scale[..., None]).clamp(fp8_min, fp8_max).flatten(-2)
+    out_q.copy_(q.to(out_q.dtype))
+    out_s.copy_(scale)  # out_s may be a column-major view: copy_ follows its strides
+
+
+for _device in ("CUDA", "CPU"):
+    _LIB.impl("per_token_group_fp8_quant", _per_token_group_fp8_quant, _device)
+
+for _name in ("cutlass_scaled_mm_supports_fp4", "cutlass_scaled_mm_supports_fp8",
+              "cutlass_scaled_mm_supports_block_fp8", "cutlass_group_gemm_supported",
+              "mxfp4_experts_quant_supported"):
+    _LIB.define(f"{_name}(int cuda_device_capability) -> bool")
+    _LIB.impl(_name, lambda capability: False, "CompositeExplicitAutograd")
