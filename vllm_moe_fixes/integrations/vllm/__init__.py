@@ -4,7 +4,7 @@ and the ``vllm.general_plugins`` hook that makes vLLM's block-FP8 FusedMoE layer
     prepare_finalize  VllmNoEPPrepareAndFinalize, VllmDeepEPHTPrepareAndFinalize,
                       VllmDeepEPLLPrepareAndFinalize (FusedMoEPrepareAndFinalizeModular)
     experts           VllmTritonExperts, VllmDeepGemmExperts, VllmBatchedTritonExperts,
-                      VllmBatchedDeepGemmExperts (FusedMoEExpertsModular)
+                      VllmBatchedDeepGemmExperts (FusedMoEExpertsModular), their base VllmExperts
     support           what they serve (the reasons for a refusal), DeepEP buffer checks
     plugin            register (the entry point), make_kernel, make_prepare_finalize
 
@@ -18,6 +18,7 @@ _MODULE_OF = {
     "VllmNoEPPrepareAndFinalize": "prepare_finalize",
     "VllmDeepEPHTPrepareAndFinalize": "prepare_finalize",
     "VllmDeepEPLLPrepareAndFinalize": "prepare_finalize",
+    "VllmExperts": "experts",
     "VllmTritonExperts": "experts",
     "VllmDeepGemmExperts": "experts",
     "VllmBatchedTritonExperts": "experts",

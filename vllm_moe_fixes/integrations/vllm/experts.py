@@ -76,12 +76,12 @@ def _check_weights(w1, w2, w1_scale, w2_scale) -> None:
                              f"{s.dtype} {tuple(s.shape)}")
 
 
-class _VllmExperts(mk.FusedMoEExpertsModular):
-    """What the four adapters share; subclasses name ``_ours`` (our Experts class) and
-    ``_batched``."""
+class VllmExperts(mk.FusedMoEExpertsModular):
+    """What the four adapters share. A subclass names ``_ours`` (our Experts class), ``batched``
+    (True: the batched layout of the low-latency dispatch) and ``_needs_deep_gemm``."""
 
     _ours: type
-    _batched: bool = False
+    batched: bool = False
     _needs_deep_gemm: bool = False
 
     def __init__(self, moe_config, quant_config, max_num_tokens=None,
@@ -93,13 +93,9 @@ class _VllmExperts(mk.FusedMoEExpertsModular):
         self.experts = self._ours()
         self._checked = (None, None)  # the (w1, w2) whose shapes were checked last
 
-    # --- what vLLM's is_supported_config asks
-    @staticmethod
-    def activation_format() -> mk.FusedMoEActivationFormat:
-        raise NotImplementedError  # each subclass answers
-
+    # --- what vLLM's is_supported_config asks (it calls them on the class)
     @classmethod
-    def _supports_device(cls) -> bool:
+    def _supports_current_device(cls) -> bool:
         if cls._needs_deep_gemm:
             return current_platform.is_cuda() and _deep_gemm_usable()
         return current_platform.is_cuda() or current_platform.is_cpu()
@@ -121,13 +117,17 @@ class _VllmExperts(mk.FusedMoEExpertsModular):
         return hidden_dim % SCALE_BLOCK == 0
 
     @classmethod
+    def _supports_parallel_config(cls, moe_parallel_config) -> bool:
+        return parallel_config_problem(moe_parallel_config, cls.batched) is None
+
+    @classmethod
     def unserved_reason(cls, moe_config) -> str | None:
         """What about the layer ``moe_config`` describes this class does not serve, beyond
         ``is_supported_config`` (sizes, bias, LoRA, DBO, placement; batched DeepGEMM's slice
         rows), or None."""
         problem = moe_config_problem(moe_config)
         if problem is None:
-            problem = parallel_config_problem(moe_config.moe_parallel_config, cls._batched)
+            problem = parallel_config_problem(moe_config.moe_parallel_config, cls.batched)
         return problem
 
     # --- the call
@@ -147,16 +147,12 @@ class _VllmExperts(mk.FusedMoEExpertsModular):
             self._checked = (w1, w2)
 
 
-class _ContiguousExperts(_VllmExperts):
+class _ContiguousExperts(VllmExperts):
     """Standard layout: the experts weight and sum the k slots into the layer's [M, K]."""
 
     @staticmethod
     def activation_format() -> mk.FusedMoEActivationFormat:
         return mk.FusedMoEActivationFormat.Standard
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config) -> bool:
-        return parallel_config_problem(moe_parallel_config, batched=False) is None
 
     def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
         return TopKWeightAndReduceNoOP()
@@ -175,18 +171,14 @@ class _ContiguousExperts(_VllmExperts):
                            else topk_weights)
 
 
-class _BatchedExperts(_VllmExperts):
+class _BatchedExperts(VllmExperts):
     """Batched layout [E_l, T, K] of the low-latency dispatch; the combine weights and reduces."""
 
-    _batched = True
+    batched = True
 
     @staticmethod
     def activation_format() -> mk.FusedMoEActivationFormat:
         return mk.FusedMoEActivationFormat.BatchedExperts
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config) -> bool:
-        return parallel_config_problem(moe_parallel_config, batched=True) is None
 
     def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
         return TopKWeightAndReduceDelegate()
@@ -212,10 +204,6 @@ class VllmTritonExperts(_ContiguousExperts):
 
     _ours = ours.TritonExperts
 
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return VllmTritonExperts._supports_device()
-
 
 class VllmDeepGemmExperts(_ContiguousExperts):
     """``DeepGemmExperts`` (DeepGEMM's contiguous grouped GEMM, SM90)."""
@@ -223,19 +211,11 @@ class VllmDeepGemmExperts(_ContiguousExperts):
     _ours = ours.DeepGemmExperts
     _needs_deep_gemm = True
 
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return VllmDeepGemmExperts._supports_device()
-
 
 class VllmBatchedTritonExperts(_BatchedExperts):
     """``BatchedTritonExperts`` (Triton masked grouped FP8 GEMMs; torch references on CPU)."""
 
     _ours = ours.BatchedTritonExperts
-
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return VllmBatchedTritonExperts._supports_device()
 
 
 class VllmBatchedDeepGemmExperts(_BatchedExperts):
@@ -244,10 +224,6 @@ class VllmBatchedDeepGemmExperts(_BatchedExperts):
 
     _ours = ours.BatchedDeepGemmExperts
     _needs_deep_gemm = True
-
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return VllmBatchedDeepGemmExperts._supports_device()
 
     @classmethod
     def unserved_reason(cls, moe_config) -> str | None:

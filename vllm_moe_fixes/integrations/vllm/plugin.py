@@ -97,7 +97,7 @@ def _wrap_selector(vllm_select):
         if cls is None:
             _log_unserved_once(reason)
             return vllm_select(config, weight_key, activation_key, *args, **kwargs)
-        backend = Fp8MoeBackend.BATCHED_TRITON if cls._batched else Fp8MoeBackend.TRITON
+        backend = Fp8MoeBackend.BATCHED_TRITON if cls.batched else Fp8MoeBackend.TRITON
         return backend, cls
 
     select_fp8_moe_backend._vllm_moe_fixes = True
@@ -111,7 +111,7 @@ def _wrap_kernel_builder(vllm_make):
         our prepare/finalize adapter and experts adapter."""
         from vllm_moe_fixes.integrations.vllm import experts as adapters
 
-        if not (isinstance(experts_cls, type) and issubclass(experts_cls, adapters._VllmExperts)):
+        if not (isinstance(experts_cls, type) and issubclass(experts_cls, adapters.VllmExperts)):
             return vllm_make(moe_quant_config=moe_quant_config, moe_config=moe_config,
                              experts_cls=experts_cls, fp8_backend=fp8_backend,
                              routing_tables=routing_tables, **kwargs)
@@ -131,7 +131,7 @@ def make_kernel(moe_quant_config, moe_config, experts_cls, routing_tables=None):
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 
     pf = make_prepare_finalize(moe_config, routing_tables)
-    if experts_cls._batched:
+    if experts_cls.batched:
         experts = experts_cls(moe_config, moe_quant_config,
                               max_num_tokens=pf.max_num_tokens_per_rank(),
                               num_dispatchers=pf.num_dispatchers())
