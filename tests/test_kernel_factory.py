@@ -24,7 +24,7 @@ from vllm_moe_fixes.fused_moe import (
     make_prepare_finalize,
     select_experts_for,
 )
-from vllm_moe_fixes.testing import moe_reference, quant_block_fp8, rel_err
+from vllm_moe_fixes.testing import moe_reference, random_fp8_moe_weights, rel_err
 
 SIZES = dict(hidden_size=2048, intermediate_size=128, num_experts=8)
 
@@ -80,8 +80,7 @@ def test_the_wired_layer_matches_the_reference(group, low_latency):
     M, K, I, E, k = 12, 2048, 128, 8, 2
     g = torch.Generator().manual_seed(5)
     x = torch.randn(M, K, generator=g).bfloat16()
-    w1, w1_scale = quant_block_fp8(torch.randn(E, 2 * I, K, generator=g) / K ** 0.5)
-    w2, w2_scale = quant_block_fp8(torch.randn(E, K, I, generator=g) / I ** 0.5)
+    w1, w1_scale, w2, w2_scale = random_fp8_moe_weights(E, K, I, generator=g)
     topk_weights, topk_ids = fused_moe.fused_topk(torch.randn(M, E, generator=g), k, True)
     kernel = make_moe_kernel(group, max_tokens_per_rank=16, backend="naive",
                              low_latency=low_latency, hidden_size=K, intermediate_size=I,
