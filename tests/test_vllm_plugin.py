@@ -168,3 +168,87 @@ def test_fused_moe_layer_with_fp8_config_runs_our_kernels():
     assert got["weights_kept"] and got["nonzero"] and got["equal"]
     built = [m for m in got["messages"] if "runs vllm_moe_fixes" in m]
     assert len(built) == 1 and "VllmTritonExperts" in built[0], got["messages"]
+
+
+class _FakeBuffer:
+    """What the DeepEP adapters read and call of a deep_ep.Buffer (no communication here)."""
+
+    def __init__(self, group_size, low_latency_mode, num_nvl_bytes, num_rdma_bytes):
+        self.group_size, self.low_latency_mode = group_size, low_latency_mode
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+
+    def __getattr__(self, name):  # get_dispatch_layout, dispatch, combine, low_latency_*
+        if name.startswith(("get_", "dispatch", "combine", "low_latency")):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+def _fake_ep_group(monkeypatch, buffer, rank=1, world_size=2):
+    """vLLM's EP group as the plugin reads it: its all2all manager hands out ``buffer``."""
+    import types
+
+    import vllm.distributed
+    handles = []
+    manager = types.SimpleNamespace(world_size=world_size, rank=rank,
+                                    get_handle=lambda kwargs: handles.append(kwargs) or buffer)
+    group = types.SimpleNamespace(device_communicator=types.SimpleNamespace(
+        all2all_manager=manager))
+    monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: group)
+    return handles
+
+
+def _ep_moe_config(backend, num_experts=E, ranks=2, **changes):
+    """Rank 1 of ``ranks`` (DP = EP = ranks) with vLLM's all2all ``backend``."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    from test_vllm_adapters import moe_config
+    parallel = FusedMoEParallelConfig(
+        tp_size=1, pcp_size=1, dp_size=ranks, ep_size=ranks, tp_rank=0, pcp_rank=0, dp_rank=1,
+        ep_rank=1, sp_size=1, use_ep=True, all2all_backend=backend, enable_eplb=False)
+    return moe_config(num_experts, TOPK, local_experts=num_experts // ranks, parallel=parallel,
+                      **changes)
+
+
+def _weights_quant_config(K, local_experts=E // 2):
+    from test_vllm_adapters import block_quant_config
+    from vllm_moe_fixes.testing import random_fp8_moe_weights
+    return block_quant_config(random_fp8_moe_weights(local_experts, K, I))
+
+
+def test_vllms_deepep_config_wires_our_deepep_adapters(monkeypatch):
+    """deepep_high_throughput / deepep_low_latency in vLLM's parallel config: the plugin builds
+    our HT / LL adapter over the buffer of vLLM's all2all manager (asked with vLLM's arguments)
+    and the matching experts."""
+    from vllm_moe_fixes.distributed.deepep_sizing import deepep_ll_rdma_bytes
+    from vllm_moe_fixes.integrations.vllm import (
+        VllmBatchedTritonExperts,
+        VllmTritonExperts,
+    )
+    ht = _ep_moe_config("deepep_high_throughput")
+    handles = _fake_ep_group(monkeypatch, _FakeBuffer(2, False, 2**30, 0))
+    kernel = plugin.make_kernel(_weights_quant_config(K), ht, VllmTritonExperts)
+    assert type(kernel.prepare_finalize).__name__ == "VllmDeepEPHTPrepareAndFinalize"
+    assert kernel.prepare_finalize.ours.rank_expert_offset == E // 2 and handles == [{}]
+
+    N, hidden = 16, 2048
+    ll = _ep_moe_config("deepep_low_latency", hidden_dim=hidden, max_num_tokens=N)
+    rdma = deepep_ll_rdma_bytes(N, hidden, 2, E)
+    handles = _fake_ep_group(monkeypatch, _FakeBuffer(2, True, 0, rdma))
+    kernel = plugin.make_kernel(_weights_quant_config(hidden), ll, VllmBatchedTritonExperts)
+    assert type(kernel.prepare_finalize).__name__ == "VllmDeepEPLLPrepareAndFinalize"
+    assert kernel.prepare_finalize.max_num_tokens_per_rank() == N
+    assert kernel.fused_experts.max_num_tokens == N and kernel.fused_experts.num_dispatchers == 2
+    assert handles == [dict(max_num_tokens_per_dp_rank=N, token_hidden_size=hidden,
+                            num_ep_ranks=2, num_global_experts=E, num_local_experts=E // 2)]
+
+
+def test_a_buffer_vllm_sized_too_small_is_refused_before_the_first_forward(monkeypatch):
+    """vLLM sizes the internode high-throughput RDMA buffer from VLLM_DEEPEP_BUFFER_SIZE_MB: at
+    128 ranks and hidden 7168, 512 MiB is less than DeepEP's hint (661 MiB)."""
+    from vllm_moe_fixes.integrations.vllm import VllmTritonExperts
+    ht = _ep_moe_config("deepep_high_throughput", num_experts=256, ranks=128, hidden_dim=7168)
+    _fake_ep_group(monkeypatch, _FakeBuffer(128, False, 2**30, 512 * 2**20), world_size=128)
+    with pytest.raises(ValueError, match="num_rdma_bytes=536870912; DeepEP needs"):
+        plugin.make_kernel(_weights_quant_config(K, 2), ht, VllmTritonExperts)
+    _fake_ep_group(monkeypatch, _FakeBuffer(128, False, 2**30, 2**30), world_size=128)
+    plugin.make_kernel(_weights_quant_config(K, 2), ht, VllmTritonExperts)  # vLLM's default
