@@ -62,6 +62,23 @@ def test_set_rebinds_once(monkeypatch, restore_fp8_names):
     assert (fp8_method.select_fp8_moe_backend, fp8_method.make_fp8_moe_kernel) == wrapped
 
 
+def test_kernel_builder_passes_vllm_026s_layer_keyword_through():
+    """vLLM 0.26 calls make_fp8_moe_kernel(..., layer=layer): vLLM's function gets it; ours
+    does not need it."""
+    from test_vllm_adapters import block_quant_config, moe_config
+    from vllm_moe_fixes.integrations.vllm import VllmTritonExperts
+    from vllm_moe_fixes.testing import random_fp8_moe_weights
+    calls = []
+    make = plugin._wrap_kernel_builder(lambda **kwargs: calls.append(kwargs) or "vllm's")
+    qc = block_quant_config(random_fp8_moe_weights(E, K, I))
+    assert make(moe_quant_config=qc, moe_config=moe_config(E, TOPK), experts_cls=object,
+                fp8_backend="B", layer="L") == "vllm's"
+    assert calls[0]["layer"] == "L" and calls[0]["experts_cls"] is object
+    kernel = make(moe_quant_config=qc, moe_config=moe_config(E, TOPK),
+                  experts_cls=VllmTritonExperts, fp8_backend="B", layer="L")
+    assert type(kernel.fused_experts) is VllmTritonExperts and len(calls) == 1
+
+
 def test_selector_leaves_unserved_layers_to_vllm(monkeypatch):
     """Micro-batching (DBO) and per-tensor FP8 are not ours: the selector says why."""
     from vllm.config import VllmConfig, set_current_vllm_config
