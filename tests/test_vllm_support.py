@@ -86,3 +86,37 @@ def test_harness_registration_adds_our_classes_and_builds_our_prepare_finalize()
     assert len(experts) in (2, 4)  # the DeepGEMM pair only where DeepGEMM runs
     assert pfs == [(VllmNoEPPrepareAndFinalize, "standard", None)]
     assert isinstance(built, VllmNoEPPrepareAndFinalize) and other == "vllm's"
+
+
+def test_harness_case_filter_keeps_only_block_fp8_cases_for_our_classes():
+    sys.path.insert(0, SUPPORT)
+    try:
+        import mk_registration
+    finally:
+        sys.path.remove(SUPPORT)
+
+    class Ours:
+        __module__ = "vllm_moe_fixes.integrations.vllm.experts"
+
+    class Theirs:
+        __module__ = "vllm.model_executor.layers.fused_moe.experts.triton_moe"
+
+    class Config:  # the harness's case: its own verdict, then ours on top
+        def __init__(self, experts, quant):
+            self.prepare_finalize_type, self.fused_experts_type = Theirs, experts
+            self.quant_config = quant
+
+        def is_valid(self):
+            return True, None
+
+    def quant(block_shape, per_token=False):
+        return types.SimpleNamespace(block_shape=block_shape, per_act_token_quant=per_token,
+                                     per_out_ch_quant=False)
+
+    common = types.SimpleNamespace(Config=Config)
+    mk_registration.only_block_fp8(common)
+    mk_registration.only_block_fp8(common)  # once only
+    assert Config(Ours, quant([128, 128])).is_valid() == (True, None)
+    for q in (None, quant(None), quant(None, per_token=True), quant([64, 128])):
+        assert Config(Ours, q).is_valid()[0] is False
+        assert Config(Theirs, q).is_valid() == (True, None)

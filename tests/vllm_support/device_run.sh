@@ -19,9 +19,11 @@ export PYTHONPATH="$PWD:$VLLM_SRC${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 
 # 1. vLLM's own harness with our pairs registered (single GPU cases), in this process and in the
-#    ranks it spawns (sitecustomize.py in tests/vllm_support registers there).
-PYTHONPATH="$PWD/tests/vllm_support:$PYTHONPATH" python3 -m pytest -x -q -p mk_registration \
-    "$VLLM_SRC/tests/kernels/moe/test_modular_kernel_combinations.py" -k "singlegpu and Vllm" \
+#    rank it spawns for each case (sitecustomize.py in tests/vllm_support registers there). Its
+#    case ids number the classes instead of naming them, so every single-GPU case runs, vLLM's
+#    pairs too; -v prints each case's classes (PF=..., FE=...).
+PYTHONPATH="$PWD/tests/vllm_support:$PYTHONPATH" python3 -m pytest -v -p mk_registration \
+    "$VLLM_SRC/tests/kernels/moe/test_modular_kernel_combinations.py" -k singlegpu \
     2>&1 | tee "$OUT/vllm_harness_singlegpu.log" || status=1
 
 # 2. Our adapters inside vLLM's kernel on the GPU (Triton and real DeepGEMM experts), the

@@ -13,7 +13,8 @@ import ``sitecustomize`` from here too and register there as well:
 Registered: experts VllmTritonExperts, VllmDeepGemmExperts (needs DeepGEMM) in the standard
 format, VllmBatchedTritonExperts, VllmBatchedDeepGemmExperts in the batched one, all FP8 only with
 128x128 blocks; prepare/finalize VllmNoEPPrepareAndFinalize (single GPU). The harness builds a
-prepare/finalize from its all-to-all backend name, so its factory is wrapped to build ours.
+prepare/finalize from its all-to-all backend name, so its factory is wrapped to build ours, and its
+case filter (``common.Config.is_valid``) keeps only block-FP8 cases for our classes.
 """
 
 from __future__ import annotations
@@ -84,20 +85,60 @@ def _wrap_prepare_finalize_factory(mk_objects, our_cls) -> None:
                 module.make_prepare_finalize = make_prepare_finalize
 
 
+def only_block_fp8(common) -> None:
+    """Make the harness module ``common``'s ``Config.is_valid`` refuse, for a case with one of
+    our classes, every quantisation but block FP8 128x128 with dynamic 1x128 activations (the
+    harness otherwise offers them per-tensor and unquantised cases too, which our classes refuse
+    with a ValueError at construction)."""
+    config_cls = getattr(common, "Config", None)
+    if config_cls is None or getattr(config_cls, "_vllm_moe_fixes_filtered", False):
+        return
+    is_valid = config_cls.is_valid
+
+    def filtered(self):
+        verdict = is_valid(self)
+        ours = any(getattr(t, "__module__", "").startswith("vllm_moe_fixes.")
+                   for t in (self.prepare_finalize_type, self.fused_experts_type))
+        quant = self.quant_config
+        block_fp8 = (quant is not None and list(quant.block_shape or []) == [128, 128]
+                     and not quant.per_act_token_quant and not quant.per_out_ch_quant)
+        if ours and not block_fp8:
+            reason = "vllm_moe_fixes serves block FP8 128x128 only"
+            return (False, reason) if isinstance(verdict, tuple) else False
+        return verdict
+
+    config_cls.is_valid = filtered
+    config_cls._vllm_moe_fixes_filtered = True
+
+
+# What runs after the harness module of each name has been imported.
+_AFTER_IMPORT = {**{name: register for name in MK_OBJECTS},
+                 **{name.rpartition(".")[0] + ".common": only_block_fp8 for name in MK_OBJECTS}}
+
+
 def register_when_imported() -> None:
-    """Register now if the harness module is loaded, else as soon as it is (an import hook)."""
-    for name in MK_OBJECTS:
+    """Run each of _AFTER_IMPORT's steps now for a module already loaded, else as soon as it is
+    (an import hook)."""
+    pending = {}
+    for name, step in _AFTER_IMPORT.items():
         if name in sys.modules:
-            register(sys.modules[name])
-            return
-    sys.meta_path.insert(0, _AfterImport())
+            step(sys.modules[name])
+        else:
+            pending[name] = step
+    if pending:
+        sys.meta_path.insert(0, _AfterImport(pending))
 
 
 class _AfterImport:
-    """A meta-path finder that lets the normal import of mk_objects run, then registers."""
+    """A meta-path finder that lets the normal import of a harness module run, then runs its
+    step on it."""
+
+    def __init__(self, steps) -> None:
+        self.steps = steps
 
     def find_spec(self, name, path=None, target=None):
-        if name not in MK_OBJECTS:
+        step = self.steps.get(name)
+        if step is None:
             return None
         sys.meta_path.remove(self)
         try:
@@ -108,11 +149,11 @@ class _AfterImport:
             return None
         exec_module = spec.loader.exec_module
 
-        def exec_and_register(module):
+        def exec_then_step(module):
             exec_module(module)
-            register(module)
+            step(module)
 
-        spec.loader.exec_module = exec_and_register
+        spec.loader.exec_module = exec_then_step
         return spec
 
 
