@@ -45,11 +45,12 @@ def quant_config_problem(quant_config: FusedMoEQuantConfig | None) -> str | None
         return "per-token or per-channel scales are asked for, not 1x128 groups / 128x128 blocks"
     if quant_config.a1_scale is not None or quant_config.a2_scale is not None:
         return "the layer has static activation scales (ours quantise activations at run time)"
+    # getattr with a default: a field an older vLLM lacks is one it cannot set
     for name in ("w1_bias", "w2_bias", "w1_zp", "w2_zp"):
-        if getattr(quant_config, name) is not None:
+        if getattr(quant_config, name, None) is not None:
             return f"quant_config.{name} is set (ours have no bias or zero point)"
     for name in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"):
-        if getattr(quant_config, name) is not None:
+        if getattr(quant_config, name, None) is not None:
             return f"quant_config.{name} is set (ours run plain SiLU-and-mul)"
     for name in ("w1_scale", "w2_scale"):
         scale = getattr(quant_config, name)
@@ -86,12 +87,13 @@ def moe_config_problem(moe: FusedMoEConfig) -> str | None:
         return f"activation {moe.activation.value} (ours: silu with a gate/up multiply)"
     if moe.in_dtype != torch.bfloat16:
         return f"activations are {moe.in_dtype} (ours: bfloat16)"
-    if moe.has_bias:
+    if getattr(moe, "has_bias", False):
         return "the experts have a bias"
-    if moe.is_lora_enabled:
+    if getattr(moe, "is_lora_enabled", False):
         return "LoRA is enabled"
-    if moe.moe_backend != "auto":
-        return f"moe_backend={moe.moe_backend!r} asks for one of vLLM's kernels"
+    backend = getattr(moe, "moe_backend", "auto")
+    if backend != "auto":
+        return f"moe_backend={backend!r} asks for one of vLLM's kernels"
     for name in ("swiglu_limit", "swiglu_alpha", "swiglu_beta", "activation_situ_beta",
                  "activation_situ_linear_beta"):
         if getattr(moe, name, None) is not None:
@@ -104,11 +106,11 @@ def moe_config_problem(moe: FusedMoEConfig) -> str | None:
     if vllm_config is None:  # a layer built outside an engine: no micro-batching, linear placement
         return None
     parallel = vllm_config.parallel_config
-    if parallel.use_ubatching:
+    if getattr(parallel, "use_ubatching", getattr(parallel, "enable_dbo", False)):
         return "micro-batching (DBO) needs async prepare/finalize, not served yet"
-    if parallel.expert_placement_strategy != "linear":
-        return (f"expert_placement_strategy={parallel.expert_placement_strategy!r} (ours place "
-                "expert g on rank g // E_l)")
+    placement = getattr(parallel, "expert_placement_strategy", "linear")
+    if placement != "linear":
+        return f"expert_placement_strategy={placement!r} (ours place expert g on rank g // E_l)"
     return None
 
 
