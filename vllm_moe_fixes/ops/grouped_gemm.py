@@ -12,8 +12,9 @@ blocks of 128 and promotes each block's FP8 tensor-core partial product to float
 
 - contiguous layout (``grouped_fp8_gemm_contiguous``): rows of all experts stacked in one
   [M_sum, K] matrix, ``m_indices[i]`` naming the expert of row i (-1: padding, written as zeros).
-  Each expert's rows start at a multiple of 128, so a BLOCK_M in {64, 128} tile never holds two
-  experts: its expert is the one of its first row, and a tile whose first row is -1 is all padding.
+  Each expert's rows start at a multiple of sizes.ROW_ALIGNMENT (128), so a BLOCK_M dividing it
+  never holds two experts: its expert is the one of its first row, and a tile whose first row is
+  -1 is all padding.
 - masked layout (``grouped_fp8_gemm_masked``): a [E, T, K] batch, of which only the first
   ``masked_m[e]`` rows of expert e are computed; the rest of ``out[e]`` is left untouched.
 
@@ -36,10 +37,10 @@ from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, dequant_block_fp8
 # Block configuration
 # ----------------------------------------------------------------------------------------------
 # A config is a dict with the keys of DEFAULT_CONFIG: BLOCK_M, BLOCK_N (tile), GROUP_M (M tiles
-# per L2 swizzle group), num_warps, num_stages. BLOCK_K is fixed at 128 (one scale per K block).
-# BLOCK_M must divide 128 (a tile never spans two experts' segments); BLOCK_N is a power of two
-# up to 256 (a TMA box dimension; it then divides 128 or is 256: a tile never splits a
-# weight-scale block).
+# per L2 swizzle group), num_warps, num_stages. BLOCK_K is SCALE_BLOCK (one scale per K block).
+# BLOCK_M must divide ROW_ALIGNMENT = 128 (a tile never spans two experts' segments); BLOCK_N is
+# a power of two up to 256 (a TMA box dimension; it then divides SCALE_BLOCK or is 256: a tile
+# never splits a weight-scale block).
 #
 # A and W blocks are loaded through host TMA descriptors (A as [rows, K], W as [E*N, K]; rows
 # past the end read as zeros, rows of a neighbouring expert are never stored). At 64x128 with 4
