@@ -281,11 +281,10 @@ def check_deepep_config(backend: str, *, num_ranks: int, max_tokens_per_rank: in
 #   takes a fixed amount per process beside the heap (device state, transports). An RDMA buffer
 #   that fits beside NVSHMEM's own share lives in that first step; a larger one gets a mapping of
 #   its own, rounded up to whole steps, and the first step stays.
-# Measured (one H200, DeepEP v1.2.1, nvidia-nvshmem-cu13, world size 1, low-latency buffers,
-# torch.cuda.mem_get_info before and after, benchmarks/results/deepep_footprint.json):
-#   RDMA hint (MiB)   0.13  16.3  227.5  455.0 | 497.7  511.9 | 540.3  910.0  1023.8 | 1820 | 3640
-#   device MiB taken  2882  2882  2882   2882  | 3394   3394  | 3906   3906   3906   | 4930 | 6978
-# = 32 (workspace) + 2338 (fixed) + 512 (first step) [+ the hint rounded up to 512 MiB steps
+# The constants below come from eleven low-latency buffers measured on one H200 (DeepEP v1.2.1,
+# nvidia-nvshmem-cu13, world size 1, torch.cuda.mem_get_info before and after; the rows are in
+# benchmarks/results/deepep_footprint.json, and tests/test_deepep_sizing.py replays them):
+# 32 (workspace) + 2338 (fixed) + 512 (first step) [+ the hint rounded up to 512 MiB steps
 # when it exceeds the first step's free part, which lies between 512 - 497.7 and 512 - 455 MiB
 # of NVSHMEM's own use: NVSHMEM_HEAP_RESERVED_BYTES is taken in that interval].
 DEEPEP_WORKSPACE_BYTES = 32 * MiB
