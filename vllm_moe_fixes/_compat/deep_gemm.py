@@ -25,6 +25,8 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
+from vllm_moe_fixes._compat import MissingLibraryError
+
 _NAMES = {
     "contiguous": ("m_grouped_fp8_gemm_nt_contiguous",
                    "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"),
@@ -74,15 +76,16 @@ def is_available() -> bool:
 
 
 def _api(what: str) -> SimpleNamespace:
-    """The resolved API, or RuntimeError naming VLLM_USE_DEEP_GEMM and DeepGEMM."""
+    """The resolved API, or MissingLibraryError naming VLLM_USE_DEEP_GEMM and DeepGEMM."""
     if is_available():
         return _API
     why = (f"import failed: {_IMPORT_ERROR!r}" if _IMPORT_ERROR is not None
            else "deep_gemm has no known grouped FP8 GEMM function")
-    raise RuntimeError(
+    raise MissingLibraryError(
         f"{what} needs DeepGEMM (VLLM_USE_DEEP_GEMM=1 asks for it), but it is not usable: {why}. "
         "Build DeepGEMM from source (github.com/deepseek-ai/DeepGEMM; the PyPI 'deep-gemm' package "
-        "is a broken snapshot) or set VLLM_USE_DEEP_GEMM=0 to use the Triton experts.")
+        "is a broken snapshot) or set VLLM_USE_DEEP_GEMM=0 to use the Triton experts.",
+        name="deep_gemm")
 
 
 @functools.cache
@@ -120,8 +123,9 @@ def check_device(what: str, device=None) -> None:
 
 
 def require(what: str = "DeepGemmExperts") -> SimpleNamespace:
-    """Return the resolved API, or raise RuntimeError naming VLLM_USE_DEEP_GEMM and DeepGEMM when
-    DeepGEMM is not usable, or when the current CUDA device is not SM90 (``check_device``)."""
+    """Return the resolved API, or raise MissingLibraryError naming VLLM_USE_DEEP_GEMM and
+    DeepGEMM when DeepGEMM is not usable, or RuntimeError when the current CUDA device is not SM90
+    (``check_device``)."""
     api = _api(what)
     check_device(what)
     return api

@@ -112,8 +112,9 @@ class BatchedDeepGemmExperts(BatchedExperts):
 
     expected_m (DeepGEMM's tiling hint) is what the modular kernel passes: the average rows per
     expert at full dispatch capacity (vllm_moe_fixes.sizes.expected_rows_per_expert), computed on
-    the host without reading a count. Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and
-    DeepGEMM) when DeepGEMM is not usable.
+    the host without reading a count. Raises MissingLibraryError (an ImportError naming
+    VLLM_USE_DEEP_GEMM and DeepGEMM) when DeepGEMM is not usable, RuntimeError on a GPU other
+    than SM90.
     """
 
     # DeepGEMM's masked GEMM (SM90) stores whole output tiles of 64 or 128 rows into the flat

@@ -167,8 +167,9 @@ class TritonExperts(ContiguousExperts):
 class DeepGemmExperts(ContiguousExperts):
     """Experts on DeepGEMM's contiguous grouped FP8 GEMM (SM90/SM100; I, K multiples of 128).
 
-    Raises RuntimeError (naming VLLM_USE_DEEP_GEMM and DeepGEMM) when DeepGEMM is not usable, or
-    when its contiguous layout wants another segment alignment than the one ops/permute.py builds.
+    Raises MissingLibraryError (an ImportError naming VLLM_USE_DEEP_GEMM and DeepGEMM) when
+    DeepGEMM is not usable; RuntimeError on a GPU other than SM90, or when its contiguous layout
+    wants another segment alignment than the one ops/permute.py builds.
     """
 
     def __init__(self) -> None:

@@ -27,10 +27,10 @@ def select_experts_of(triton_cls: type, deep_gemm_cls: type, intermediate_size: 
         intermediate_size: I (w1 is [E_l, 2I, K], w2 is [E_l, K, I]), an int >= 1.
         hidden_size: K, an int >= 1.
 
-    With VLLM_USE_DEEP_GEMM=1: DeepGEMM not importable -> RuntimeError naming VLLM_USE_DEEP_GEMM
-    and DeepGEMM; I or K not a multiple of 128 -> triton_cls with one logged warning per shape,
-    but no backend runs such a layer: the kernel's validation then raises a ValueError naming the
-    sizes. Sizes that are not positive ints -> ValueError.
+    With VLLM_USE_DEEP_GEMM=1: DeepGEMM not importable -> MissingLibraryError (an ImportError)
+    naming VLLM_USE_DEEP_GEMM and DeepGEMM; I or K not a multiple of 128 -> triton_cls with one
+    logged warning per shape, but no backend runs such a layer: the kernel's validation then
+    raises a ValueError naming the sizes. Sizes that are not positive ints -> ValueError.
     """
     check_positive_int("intermediate_size", intermediate_size)
     check_positive_int("hidden_size", hidden_size)

@@ -65,8 +65,8 @@ def make_moe_kernel(ep_group: dist.ProcessGroup | None, *, hidden_size: int,
     Returns a FusedMoEModularKernel (see `make_prepare_finalize` and `select_experts_for`).
 
     Raises ValueError for bad arguments, a mode the backend does not serve or a configuration
-    DeepEP cannot serve (`make_all2all_buffer`); ImportError (a DeepEP backend without DeepEP) and
-    RuntimeError (VLLM_USE_DEEP_GEMM=1 without DeepGEMM) name the variable to change.
+    DeepEP cannot serve (`make_all2all_buffer`); MissingLibraryError, an ImportError (a DeepEP
+    backend without DeepEP, VLLM_USE_DEEP_GEMM=1 without DeepGEMM), names the variable to change.
     """
     check_positive_int("intermediate_size", intermediate_size)
     pf = make_prepare_finalize(ep_group, hidden_size=hidden_size, num_experts=num_experts,

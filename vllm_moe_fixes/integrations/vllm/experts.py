@@ -52,7 +52,7 @@ def _deep_gemm_usable() -> bool:
     """Whether this library's DeepGEMM experts can be built here (DeepGEMM importable, SM90)."""
     try:
         ours.DeepGemmExperts()
-    except RuntimeError:
+    except (ImportError, RuntimeError):  # DeepGEMM missing, or a GPU other than SM90
         return False
     return True
 
