@@ -17,6 +17,19 @@ Y's columns in ws2 and live through the whole call. The output is the layer's ou
 the start of ws13 (G' is dead once GEMM2 has run). M_sum counts the LOCAL experts
 (ops/permute.py). No allocation per call.
 
+Passes: apply takes what the rank received in passes of at most `tokens_per_pass()` tokens
+(VLLM_FUSED_MOE_CHUNK_SIZE, the most tokens one pass of the experts takes), so the workspaces are
+sized by that bound and not by the received count, whatever the routing: with high-throughput EP
+and skewed ids one rank can receive every token of the group. Each pass runs the table above on
+its tokens (a token's k slots stay in one pass) with one pass's A, G', H and Y, after the [M, K]
+output in ws13, which is then no longer shared with A and G'. Every kernel computes each slot's
+row and each token's sum on its own (no GEMM tile spans two experts, the per-row quantisations
+read their row only, the sum runs over a token's slots in slot order), so the passes give the bits
+of one pass (on CPU the torch reference GEMM can round a row apart: MKL's float32 matmul of fewer
+than 12 rows takes another path). M comes from topk_ids' shape, which the dispatch already read
+on the host: no host synchronisation is added. When the received tokens fit in one pass, apply is
+the one pass it was.
+
 The experts reduce (`reduces_output`): the un-permute reads each token's k rows of Y through the
 layout and sums them with the router weights, so finalize receives [M, K].
 """
@@ -29,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_moe_fixes import envs
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts
@@ -49,7 +63,12 @@ from vllm_moe_fixes.ops.permute import (
     unpermute_reduce_triton,
 )
 from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_triton
-from vllm_moe_fixes.sizes import LAYOUT_INDEX_COLUMNS, ROW_ALIGNMENT, contiguous_workspace_shapes
+from vllm_moe_fixes.sizes import (
+    LAYOUT_INDEX_COLUMNS,
+    ROW_ALIGNMENT,
+    contiguous_num_rows,
+    contiguous_workspace_shapes,
+)
 
 
 def _byte_view(ws: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
@@ -78,22 +97,26 @@ class _Views(NamedTuple):
 
 
 def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int, local_num_experts: int,
-                K: int, I: int) -> _Views:
-    """The views of the module docstring's table for num_slots = M*k slots (ws2 has M_sum rows)."""
-    m_sum = ws2.shape[0]
+                K: int, I: int, offset13: int) -> _Views:
+    """The views of the module docstring's table for one pass of num_slots = M*k slots: M_sum
+    rows, A and G' from bf16 element offset13 of ws13 on, the index vectors at the end of ws2."""
+    m_sum = contiguous_num_rows(num_slots, local_num_experts)
     index_numel = m_sum * LAYOUT_INDEX_COLUMNS  # bf16 elements = 2x as many int32
     flat2 = ws2.view(-1)
     layout, counts = carve_layout(flat2[flat2.numel() - index_numel:].view(torch.int32),
                                   num_slots, local_num_experts)
-    return _Views(layout=layout, counts=counts, a=_fp8_with_mn_major_scales(ws13, m_sum, K),
+    scratch13 = ws13.view(-1)[offset13:]
+    return _Views(layout=layout, counts=counts, a=_fp8_with_mn_major_scales(scratch13, m_sum, K),
                   h=flat2[:m_sum * 2 * I].view(m_sum, 2 * I),
-                  g=_fp8_with_mn_major_scales(ws13, m_sum, I), y=flat2[:m_sum * K].view(m_sum, K))
+                  g=_fp8_with_mn_major_scales(scratch13, m_sum, I),
+                  y=flat2[:m_sum * K].view(m_sum, K))
 
 
 def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int,
-                    local_num_experts: int, K: int, I: int) -> _Views:
-    """_make_views, cached on the workspaces (workspaces.views_cached_on)."""
-    return views_cached_on(ws13, ws2, _make_views, num_slots, local_num_experts, K, I)
+                    local_num_experts: int, K: int, I: int, offset13: int = 0) -> _Views:
+    """_make_views, cached on the workspaces (workspaces.views_cached_on). offset13: where one
+    pass's A and G' start in ws13 (bf16 elements): 0 for one pass, M*K for several."""
+    return views_cached_on(ws13, ws2, _make_views, num_slots, local_num_experts, K, I, offset13)
 
 
 # The four steps around the GEMMs, on validated arguments: the Triton launcher for CUDA tensors
@@ -135,16 +158,45 @@ class ContiguousExperts(Experts):
              out: torch.Tensor, m_indices: torch.Tensor) -> None:
         """Contiguous grouped GEMM, DeepGEMM's contract (ops.grouped_fp8_gemm_contiguous)."""
 
+    @staticmethod
+    def tokens_per_pass() -> int:
+        """The most tokens one pass of apply takes: VLLM_FUSED_MOE_CHUNK_SIZE, read at each call
+        (workspace_shapes and apply read it alike)."""
+        return envs.VLLM_FUSED_MOE_CHUNK_SIZE
+
     def workspace_shapes(self, M, I, K, topk, local_num_experts):
-        return contiguous_workspace_shapes(M, I, K, topk, local_num_experts)
+        """sizes.contiguous_workspace_shapes for M received tokens in passes of tokens_per_pass():
+        one pass's workspaces (plus the [M, K] output in ws13 when there are several)."""
+        return contiguous_workspace_shapes(M, I, K, topk, local_num_experts,
+                                           self.tokens_per_pass())
 
     def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
               activation, workspace13, workspace2, expert_num_tokens, *, topk_weights=None,
               expected_m=None) -> None:
         """output bf16 [M, K] (written: the weighted sum of each token's k expert rows; slots
-        with no local expert add 0); topk_weights float32 [M, k] or None (plain sum)."""
+        with no local expert add 0); topk_weights float32 [M, k] or None (plain sum).
+
+        M tokens are taken in passes of at most tokens_per_pass() (module docstring); the
+        workspaces are those workspace_shapes declares for M."""
+        M = topk_ids.shape[0]
+        step = self.tokens_per_pass()
+        if M <= step:
+            self._apply_pass(output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids,
+                             expert_map, workspace13, workspace2, topk_weights, 0)
+            return
+        offset13 = M * w2.shape[1]  # one pass's A and G' sit after the [M, K] output
+        for start in range(0, M, step):
+            rows = slice(start, min(start + step, M))
+            self._apply_pass(output[rows], a1q[rows], a1q_scale[rows], w1, w2, w1_scale, w2_scale,
+                             topk_ids[rows], expert_map, workspace13, workspace2,
+                             None if topk_weights is None else topk_weights[rows], offset13)
+
+    def _apply_pass(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids,
+                    expert_map, workspace13, workspace2, topk_weights, offset13) -> None:
+        """The module docstring's table for one pass's tokens (apply's arguments, sliced)."""
         local_num_experts, K, I = w2.shape
-        v = workspace_views(workspace13, workspace2, topk_ids.numel(), local_num_experts, K, I)
+        v = workspace_views(workspace13, workspace2, topk_ids.numel(), local_num_experts, K, I,
+                            offset13)
         m_indices = v.layout.m_indices
         _build_layout(topk_ids, local_num_experts, expert_map, v.layout, v.counts)
         _permute(a1q, a1q_scale, v.layout, *v.a)
