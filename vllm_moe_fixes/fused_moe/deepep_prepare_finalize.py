@@ -100,6 +100,15 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         num_dispatchers: ranks in that group (R).
         rank_expert_offset: global id of this rank's first expert (rank * E_l): added to the
             received local ids so the experts see global ids (with the caller's expert_map).
+
+    The dispatch brings this rank global experts rank * E_l ... rank * E_l + E_l - 1 (DeepEP's
+    placement, E_l = num_experts / R), so prepare refuses with a ValueError a wiring that
+    disagrees with it: num_dispatchers other than the buffer's group size, rank_expert_offset
+    other than the buffer's rank * E_l (both where the buffer has ``rank`` and ``group_size``,
+    as deep_ep.Buffer and TorchAll2AllBuffer do; else an offset that is no multiple of E_l below
+    num_experts), or an expert_map other than global g -> g - rank_expert_offset on this rank's
+    experts and -1 elsewhere. The map is read once per map tensor and version (a host
+    synchronisation on CUDA, skipped while a CUDA graph is being captured).
     """
 
     activation_format = ActivationFormat.STANDARD
@@ -112,6 +121,48 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             raise ValueError(f"rank_expert_offset={rank_expert_offset!r} must be an int >= 0")
         self.rank_expert_offset = rank_expert_offset
         self.num_recv_tokens_per_expert: list[int] | None = None  # of the last prepare
+        self._checked_map: tuple | None = None  # (expert_map, its version, E_l) found right
+
+    def _check_wiring(self, num_experts: int, local_num_experts: int,
+                      expert_map: torch.Tensor | None) -> None:
+        """ValueError unless this rank's experts are where the dispatch sends tokens (class
+        docstring). Host integers only, except the expert_map, read once per map."""
+        offset, E_l, R = self.rank_expert_offset, local_num_experts, self._num_dispatchers
+        rank = getattr(self.buffer, "rank", None)
+        group_size = getattr(self.buffer, "group_size", None)
+        if isinstance(group_size, int) and group_size != R:
+            raise ValueError(f"num_dispatchers={R} but the buffer's group has {group_size} ranks")
+        if isinstance(rank, int):
+            if offset != rank * E_l:
+                raise ValueError(
+                    f"rank_expert_offset={offset} does not match the buffer: this is rank {rank} "
+                    f"of {R}, whose experts start at global id {rank} * E_l = {rank * E_l} "
+                    f"(E_l = {num_experts} // {R}); pass rank_expert_offset=rank * E_l")
+        elif offset % E_l or offset >= num_experts:
+            raise ValueError(f"rank_expert_offset={offset} must be rank * E_l: a multiple of "
+                             f"E_l = {E_l} below num_experts = {num_experts}")
+        if expert_map is not None:
+            self._check_expert_map(expert_map, E_l)
+
+    def _check_expert_map(self, expert_map: torch.Tensor, local_num_experts: int) -> None:
+        key = (expert_map, expert_map._version, local_num_experts)
+        checked = self._checked_map
+        if checked is not None and checked[0] is key[0] and checked[1:] == key[1:]:
+            return
+        if expert_map.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # reading it would break the capture; the eager warm-up call has checked it
+        offset = self.rank_expert_offset
+        got = expert_map.tolist()
+        want = [g - offset if offset <= g < offset + local_num_experts else -1
+                for g in range(len(got))]
+        if got != want:
+            g = next(g for g in range(len(got)) if got[g] != want[g])
+            raise ValueError(
+                f"expert_map disagrees with rank_expert_offset={offset}: the dispatch brings this "
+                f"rank global experts {offset}..{offset + local_num_experts - 1} as local ids "
+                f"0..{local_num_experts - 1}, so expert_map[g] must be g - {offset} there and -1 "
+                f"elsewhere; expert_map[{g}] = {got[g]}, not {want[g]}")
+        self._checked_map = key
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:
@@ -123,7 +174,8 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         f32 [M', k] (0 at -1). The per-local-expert received counts are kept in
         ``num_recv_tokens_per_expert``.
         """
-        check_experts_per_rank(num_experts, self._num_dispatchers)
+        local_num_experts = check_experts_per_rank(num_experts, self._num_dispatchers)
+        self._check_wiring(num_experts, local_num_experts, expert_map)
         a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input)
         a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
         ids = topk_ids.to(torch.int64).contiguous()  # DeepEP takes int64 ids
@@ -180,6 +232,8 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             raise ValueError("buffer must be built with low_latency_mode=True for low-latency "
                              "dispatch")
         check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
+        if not isinstance(use_fp8_dispatch, bool):
+            raise ValueError(f"use_fp8_dispatch must be a bool, got {use_fp8_dispatch!r}")
         self.max_tokens_per_rank_ = max_tokens_per_rank
         self.use_fp8_dispatch = use_fp8_dispatch
 
