@@ -128,10 +128,10 @@ def test_plan_flags_the_failure_modes():
     # The batched layout's tensors do not depend on the routing: T = ep * max_tokens rows per slice.
     assert plan["loads"]["zero"]["largest_tensor"] == plan["loads"]["random"]["largest_tensor"]
     assert plan["loads"]["zero"]["layer_bytes"] == plan["loads"]["random"]["layer_bytes"]
-    # int32 element counts.
+    # int32 element counts: information (our kernels take 64-bit offsets), not flags.
     big = make_plan(R1, dp=32, max_tokens=8192, backend="naive")
-    assert big["flags"]["int32_overflow_zero_inputs"]["raised"]
-    assert big["loads"]["zero"]["largest_tensor"]["elements"] >= 2**31
+    assert big["loads"]["zero"]["one_pass"]["largest_tensor"]["elements"] >= 2**31
+    assert "int32_elements_zero_inputs" in big["notes"]
     # Unsupported LL hidden size.
     odd = config_from_dict({**R1.to_dict(), "hidden_size": 1024, "name": "odd"})
     assert make_plan(odd, dp=8)["flags"]["ll_unsupported_hidden"]["raised"]
@@ -155,7 +155,10 @@ def test_plan_counts_the_deepep_buffer_footprint():
 def test_plan_oom_flag_zero_vs_random():
     plan = make_plan(R1, dp=32, max_tokens=4096, backend="naive")
     zero, random = plan["loads"]["zero"]["memory_bytes"], plan["loads"]["random"]["memory_bytes"]
-    assert zero > 1.5 * random
+    assert zero > random  # the bound keeps them close; without it zero ids take 1.5x or more
+    loads = plan["loads"]
+    assert loads["zero"]["one_pass"]["memory_bytes"] > 1.5 * loads["random"]["one_pass"][
+        "memory_bytes"]
     budget = (zero + random) / 2 / 2**30
     flagged = make_plan(R1, dp=32, max_tokens=4096, backend="naive", gpu_memory_gib=budget)["flags"]
     assert flagged["dummy_run_oom_zero_inputs"]["raised"]

@@ -23,6 +23,13 @@ import os
 from dataclasses import dataclass
 
 SCORINGS = ("softmax", "sigmoid")
+# Largest value of each integer field, twice or more the largest public MoE model's (hidden 7168-
+# 8192, 512 experts, vocabularies of about 256k, 94 layers). The planner's simulated router holds
+# a float32 gate [E, H] and multiplies it by its transpose, so these bound its memory and time (at
+# the limits: 64 MiB, about 5 s); a larger value is a named error instead of numpy's MemoryError.
+MAX_FIELD_VALUES = {"hidden_size": 16384, "moe_intermediate_size": 65536, "num_experts": 1024,
+                    "top_k": 1024, "vocab_size": 2**24, "num_layers": 1024, "n_group": 1024,
+                    "topk_group": 1024}
 
 
 @dataclass(frozen=True)
@@ -53,11 +60,11 @@ class MoEModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
-        for field in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k",
-                      "vocab_size", "num_layers", "n_group", "topk_group"):
+        for field, limit in MAX_FIELD_VALUES.items():
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{self.name}: {field} must be an int > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+                raise ValueError(f"{self.name}: {field} must be an int in [1, {limit}], got "
+                                 f"{value!r}")
         dense = self.num_dense_layers
         if (isinstance(dense, bool) or not isinstance(dense, int)
                 or not 0 <= dense < self.num_layers):

@@ -101,8 +101,9 @@ REGISTRY: dict[str, EnvVar] = {
         # the peak grows with the chunk: 1.9 GiB at 8192 against 6.1 GiB in one pass
         # (benchmarks/results/experts_chunks.json).
         EnvVar("VLLM_FUSED_MOE_CHUNK_SIZE", _parse_positive_int, 8192,
-               "max tokens one pass of the experts takes; larger calls loop over chunks (bounds "
-               "workspace memory)",
+               "max tokens one pass of the experts takes: larger calls loop over chunks, and the "
+               "contiguous experts take what a rank received in passes of this many tokens "
+               "(bounds workspace memory whatever the routing)",
                "integer > 0"),
         EnvVar("VLLM_MOE_CHECK_IDS", _parse_bool, False,
                "check topk_ids / expert_map ranges of CUDA inputs at the layer's edge (one host "

@@ -22,6 +22,15 @@ of them are simulated (random ids are independent, so a sample is representative
 scaled to the whole group; sampling noise can only add imbalance, so the busiest/mean ratio from a
 sample is a slight over-estimate. All-zero ids are exact at any sample size.
 
+Passes: the modular kernel runs a rank's ``max_tokens`` in passes of at most
+``VLLM_FUSED_MOE_CHUNK_SIZE`` tokens (one dispatch each), so the loads are those of one pass of
+``ep * min(max_tokens, VLLM_FUSED_MOE_CHUNK_SIZE)`` tokens. The contiguous experts take what a rank
+received in passes of at most ``VLLM_FUSED_MOE_CHUNK_SIZE`` tokens too (``experts_tokens_per_pass``)
+so their workspaces do not grow with the received count; the plan shows the memory with that
+bound and, beside it (``one_pass``), what experts that take all received tokens in one pass need.
+The batched layout needs no such bound: its workspaces are sized by the capacity T = ep *
+max_tokens rows per local expert, whatever the routing.
+
 Memory model at the busiest rank (the one receiving the most tokens; bytes): the MoE weights of
 its local experts over all MoE layers (FP8 with float32 128x128 block scales) + the device
 footprint of the backend's DeepEP buffer (``deepep_buffer_footprint_bytes``: its byte counts,
@@ -157,31 +166,37 @@ def simulate_loads(router: SimulatedRouter, *, ep: int, num_tokens: int, inputs:
 
 
 def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_num_experts: int,
-           group_tokens: int, max_tokens: int) -> tuple[dict[str, int], dict]:
+           group_tokens: int, max_tokens: int,
+           tokens_per_pass: int | None) -> tuple[dict[str, int], dict]:
     """(bytes of one layer's allocations, the largest kernel tensor) at a rank receiving ``tokens``.
 
     Allocations: the received rows (FP8 with float32 1x128 scales), the two bf16 workspaces of
     ``vllm_moe_fixes.sizes`` (the experts' output lives inside ws13) and the bf16 [max_tokens, K]
-    result. Standard layout: ``tokens`` received rows of k slots, M_sum GEMM rows; batched layout:
-    T = ``group_tokens`` rows per local expert slice whatever the routing.
+    result. Standard layout: ``tokens`` received rows of k slots, M_sum GEMM rows of one pass of
+    at most ``tokens_per_pass`` tokens (None: all in one pass); batched layout: T =
+    ``group_tokens`` rows per local expert slice whatever the routing.
 
-    The largest tensor a kernel indexes is the GEMM1 output [rows, 2I] or the GEMM2 output / the
-    received activations [rows, K], rows = M_sum or E_l * T: rows * max(2I, K) elements.
+    The largest tensor a kernel indexes is the GEMM1 output [rows, 2I], the GEMM2 output
+    [rows, K] (rows = M_sum or E_l * T) or the received activations and the experts' output
+    [tokens, K].
     """
     K, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k
     if layout == "batched":
         ws13, ws2, _ = batched_workspace_shapes(group_tokens, I, K, local_num_experts)
         recv = rows = ws13[0] * ws13[1]  # E_l * T
     else:
-        ws13, ws2, _ = contiguous_workspace_shapes(tokens, I, K, k, local_num_experts)
+        ws13, ws2, _ = contiguous_workspace_shapes(tokens, I, K, k, local_num_experts,
+                                                   tokens_per_pass)
         recv, rows = tokens, ws13[0]  # M_sum
     layer = {"recv_x": recv * K * FP8_BYTES + recv * -(-K // SCALE_BLOCK) * F32_BYTES,
              "workspace13": math.prod(ws13) * BF16_BYTES,
              "workspace2": math.prod(ws2) * BF16_BYTES,
              "layer_output": max_tokens * K * BF16_BYTES}
-    name = f"GEMM1 output [{rows}, {2 * I}]" if 2 * I >= K else f"GEMM2 output [{rows}, {K}]"
-    largest = {"name": name, "elements": rows * max(2 * I, K)}
-    return layer, largest
+    tensors = [(rows * 2 * I, f"GEMM1 output [{rows}, {2 * I}]"),
+               (rows * K, f"GEMM2 output [{rows}, {K}]"),
+               (recv * K, f"received activations / experts' output [{recv}, {K}]")]
+    elements, name = max(tensors)
+    return layer, {"name": name, "elements": elements}
 
 
 def _weight_bytes(cfg: MoEModelConfig, local_num_experts: int) -> int:
@@ -255,15 +270,19 @@ def _size_buffers(cfg: MoEModelConfig, backend: str, ep: int, max_tokens: int) -
 
 
 def _compute_loads(cfg: MoEModelConfig, sims: dict, *, layout: str, local_num_experts: int,
-                   group_tokens: int, max_tokens: int, fixed_bytes: int) -> dict:
+                   group_tokens: int, max_tokens: int, fixed_bytes: int,
+                   tokens_per_pass: int | None) -> dict:
     """Per input kind: the busiest rank's load, one layer's allocations at the rank receiving the
     most tokens (memory grows with the tokens received) and its memory (``fixed_bytes`` of weights
-    and buffers + the layer)."""
+    and buffers + the layer), with the experts' bound ``tokens_per_pass`` and, under
+    ``one_pass``, without it."""
     loads = {}
     for inputs, sim in sims.items():
-        layer, largest = _layer(cfg, layout=layout, tokens=int(sim.tokens.max()),
-                                local_num_experts=local_num_experts, group_tokens=group_tokens,
-                                max_tokens=max_tokens)
+        kwargs = dict(layout=layout, tokens=int(sim.tokens.max()),
+                      local_num_experts=local_num_experts, group_tokens=group_tokens,
+                      max_tokens=max_tokens)
+        layer, largest = _layer(cfg, **kwargs, tokens_per_pass=tokens_per_pass)
+        one_pass, one_pass_largest = _layer(cfg, **kwargs, tokens_per_pass=None)
         busiest = int(np.argmax(sim.slots))
         mean = float(sim.slots.mean())
         loads[inputs] = {
@@ -273,38 +292,44 @@ def _compute_loads(cfg: MoEModelConfig, sims: dict, *, layout: str, local_num_ex
             "layer_bytes": layer,
             "memory_bytes": fixed_bytes + sum(layer.values()),
             "largest_tensor": largest,
+            "one_pass": {"layer_bytes": one_pass,
+                         "memory_bytes": fixed_bytes + sum(one_pass.values()),
+                         "largest_tensor": one_pass_largest},
         }
     return loads
 
 
 def _raise_flags(cfg: MoEModelConfig, loads: dict, deepep: dict, cannot_serve: dict, *, ep: int,
-                 max_tokens: int, gpu_memory_gib: float) -> dict:
-    """name -> {raised, detail} for each failure mode the plan checks."""
+                 max_tokens: int, gpu_memory_gib: float, backend: str) -> dict:
+    """name -> {raised, detail} for each failure mode the plan checks (of this configuration:
+    what cannot happen in it is not raised, and the detail says why)."""
     K, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     budget = gpu_memory_gib * 2**30
     flags = {}
     for inputs in INPUTS:
-        mem = loads[inputs]["memory_bytes"]
+        mem, one_pass = loads[inputs]["memory_bytes"], loads[inputs]["one_pass"]["memory_bytes"]
         flags[f"dummy_run_oom_{inputs}_inputs"] = {
             "raised": mem > budget,
             "detail": f"{inputs} ids: {_gib(mem)} per GPU at the busiest rank (weights, all-to-all "
                       f"buffer footprint and one layer's activations; a lower bound) vs "
-                      f"{gpu_memory_gib:g} GiB"}
-        big = loads[inputs]["largest_tensor"]
-        flags[f"int32_overflow_{inputs}_inputs"] = {
-            "raised": big["elements"] >= INT32_ELEMENTS,
-            "detail": f"{inputs} ids: largest kernel tensor {big['name']} has {big['elements']} "
-                      f"elements (32-bit offsets break at 2**31 = {INT32_ELEMENTS})"}
+                      f"{gpu_memory_gib:g} GiB; experts taking all received tokens in one pass: "
+                      f"{_gib(one_pass)}"}
     flags["block_quant_shapes"] = {
         "raised": bool(K % SCALE_BLOCK or I % SCALE_BLOCK),
         "detail": f"hidden {K}, intermediate {I}: FP8 {SCALE_BLOCK}x{SCALE_BLOCK} block "
                   f"quantisation needs both to be multiples of {SCALE_BLOCK}"}
     ll_hint = deepep["ll_rdma_hint_bytes"]
-    flags["fixed_rdma_below_ll_hint"] = {
-        "raised": FIXED_RDMA_BYTES < ll_hint,
-        "detail": f"a fixed {_gib(FIXED_RDMA_BYTES)} low-latency RDMA buffer vs the hint {ll_hint} "
-                  f"bytes ({_gib(ll_hint)}) for N={max_tokens}, H={K}, E={E}: DeepEP's "
-                  "'layout.total_bytes <= num_rdma_bytes' assertion"}
+    versus = (f"a fixed {_gib(FIXED_RDMA_BYTES)} low-latency RDMA buffer vs the hint {ll_hint} "
+              f"bytes ({_gib(ll_hint)}) for N={max_tokens}, H={K}, E={E}")
+    if backend == "deepep_low_latency" and ep > 1:
+        flags["fixed_rdma_below_ll_hint"] = {
+            "raised": FIXED_RDMA_BYTES < ll_hint,
+            "detail": f"{versus}: DeepEP's 'layout.total_bytes <= num_rdma_bytes' assertion"}
+    else:
+        why = "one rank" if ep == 1 else f"the {backend} backend"
+        flags["fixed_rdma_below_ll_hint"] = {
+            "raised": False,
+            "detail": f"no low-latency RDMA buffer with {why}; with deepep_low_latency: {versus}"}
     flags["ll_unsupported_hidden"] = {
         "raised": K not in LL_SUPPORTED_HIDDEN,
         "detail": f"hidden {K}; DeepEP low-latency supports "
@@ -317,6 +342,19 @@ def _raise_flags(cfg: MoEModelConfig, loads: dict, deepep: dict, cannot_serve: d
                      else f"n/a (no tuned config for {ep} ranks)")}
     flags["deepep_cannot_serve"] = cannot_serve
     return flags
+
+
+def _notes(loads: dict) -> dict:
+    """name -> text: facts of this configuration that are not failures here."""
+    notes = {}
+    for inputs in INPUTS:
+        big = loads[inputs]["largest_tensor"]
+        past = big["elements"] >= INT32_ELEMENTS
+        notes[f"int32_elements_{inputs}_inputs"] = (
+            f"{inputs} ids: largest kernel tensor {big['name']} has {big['elements']} elements, "
+            + ("past 2**31: a kernel with 32-bit offsets would break on it (every kernel here "
+               "computes 64-bit offsets)" if past else "below 2**31"))
+    return notes
 
 
 def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens: int | None = None,
@@ -335,36 +373,60 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
         seed: routing simulation seed (int >= 0).
 
     Returns a dict with keys: model, dp, ep, max_tokens, backend, layout, gpu_memory_gib,
-    local_experts, group_tokens, simulated_tokens, seed, inputs_in_effect, loads (per input kind:
-    busiest_rank, busiest_slots, mean_slots, imbalance, busiest_tokens, slots_per_rank,
-    layer_bytes, memory_bytes, largest_tensor), weight_bytes, buffer_bytes (the DeepEP buffer's
-    device footprint), deepep (hints, buffer_kwargs, buffer_bytes), flags (name -> {raised,
-    detail}), elapsed_s.
+    local_experts, pass_tokens (tokens per rank per pass of the layer: min(max_tokens,
+    VLLM_FUSED_MOE_CHUNK_SIZE)), experts_tokens_per_pass (the contiguous experts' bound, None for
+    the batched layout), group_tokens (of one pass: ep * pass_tokens), simulated_tokens, seed,
+    inputs_in_effect, loads (per input kind: busiest_rank, busiest_slots, mean_slots, imbalance,
+    busiest_tokens, slots_per_rank, layer_bytes, memory_bytes, largest_tensor, and one_pass:
+    layer_bytes, memory_bytes, largest_tensor of experts without the bound), weight_bytes,
+    buffer_bytes (the DeepEP buffer's device footprint), deepep (hints, buffer_kwargs,
+    buffer_bytes), flags (name -> {raised, detail}), notes (name -> text), elapsed_s.
     """
     start = time.perf_counter()
     ep, max_tokens, backend = _check_arguments(dp, ep, max_tokens, backend, gpu_memory_gib, seed)
+    chunk = envs.VLLM_FUSED_MOE_CHUNK_SIZE
+    pass_tokens = min(max_tokens, chunk)
     router = SimulatedRouter(cfg, seed)
     # simulate_loads raises first when ep does not divide the expert count.
-    sims = {inputs: simulate_loads(router, ep=ep, num_tokens=ep * max_tokens, inputs=inputs)
+    sims = {inputs: simulate_loads(router, ep=ep, num_tokens=ep * pass_tokens, inputs=inputs)
             for inputs in INPUTS}
     deepep, cannot_serve = _size_buffers(cfg, backend, ep, max_tokens)
     local_num_experts = cfg.num_experts // ep
     layout = "batched" if backend == "deepep_low_latency" and ep > 1 else "standard"
+    tokens_per_pass = chunk if layout == "standard" else None
     weight_bytes = _weight_bytes(cfg, local_num_experts)
     loads = _compute_loads(cfg, sims, layout=layout, local_num_experts=local_num_experts,
                            group_tokens=ep * max_tokens, max_tokens=max_tokens,
-                           fixed_bytes=weight_bytes + deepep["buffer_bytes"])
+                           fixed_bytes=weight_bytes + deepep["buffer_bytes"],
+                           tokens_per_pass=tokens_per_pass)
     flags = _raise_flags(cfg, loads, deepep, cannot_serve, ep=ep, max_tokens=max_tokens,
-                         gpu_memory_gib=gpu_memory_gib)
+                         gpu_memory_gib=gpu_memory_gib, backend=backend)
     return {
         "model": cfg.to_dict(), "dp": dp, "ep": ep, "max_tokens": max_tokens, "backend": backend,
         "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_num_experts,
-        "group_tokens": ep * max_tokens, "simulated_tokens": min(ep * max_tokens, SAMPLE_TOKENS),
-        "seed": seed,
+        "pass_tokens": pass_tokens, "experts_tokens_per_pass": tokens_per_pass,
+        "group_tokens": ep * pass_tokens,
+        "simulated_tokens": min(ep * pass_tokens, SAMPLE_TOKENS), "seed": seed,
         "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",
         "loads": loads, "weight_bytes": weight_bytes, "buffer_bytes": deepep["buffer_bytes"],
-        "deepep": deepep, "flags": flags, "elapsed_s": time.perf_counter() - start,
+        "deepep": deepep, "flags": flags, "notes": _notes(loads),
+        "elapsed_s": time.perf_counter() - start,
     }
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows of (label, value, value...) as lines: the label column left-aligned, the others
+    right-aligned, every column as wide as its widest cell (so huge values stay aligned)."""
+    cells = [row for row in rows if len(row) > 1]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        if len(row) == 1:  # a section heading
+            lines.append(row[0])
+            continue
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+    return lines
 
 
 def format_plan(plan: dict) -> str:
@@ -373,6 +435,7 @@ def format_plan(plan: dict) -> str:
     z, r = plan["loads"]["zero"], plan["loads"]["random"]
     sampled = (" (a sample: the random busiest/mean is an over-estimate)"
                if plan["simulated_tokens"] < plan["group_tokens"] else "")
+    passes = -(-plan["max_tokens"] // plan["pass_tokens"])
     lines = [
         f"model {m['name']}: K={m['hidden_size']} I={m['moe_intermediate_size']} "
         f"E={m['num_experts']} top-{m['top_k']} {m['scoring']}"
@@ -382,26 +445,37 @@ def format_plan(plan: dict) -> str:
          f"backend={plan['backend']} ({plan['layout']} layout) "
          f"experts/rank={plan['local_experts']} "
          f"budget={plan['gpu_memory_gib']:g} GiB"),
-        (f"simulated {plan['simulated_tokens']} of the EP group's {plan['group_tokens']} tokens "
+        (f"{passes} pass(es) of {plan['pass_tokens']} tokens per rank (VLLM_FUSED_MOE_CHUNK_SIZE); "
+         f"simulated {plan['simulated_tokens']} of one pass's {plan['group_tokens']} tokens "
          f"(seed {plan['seed']}){sampled}; dummy ids in effect now: {plan['inputs_in_effect']}"),
         "",
-        f"{'per rank':<28}{'zero ids':>16}{'random ids':>16}",
     ]
+    rows = [("per rank", "zero ids", "random ids")]
 
     def row(label, fz, fr):
-        lines.append(f"{label:<28}{fz:>16}{fr:>16}")
+        rows.append((label, str(fz), str(fr)))
+
+    def memory(title, zl, rl):
+        rows.append((title,))
+        for key in zl["layer_bytes"]:
+            row(f"  {key}", _gib(zl["layer_bytes"][key]), _gib(rl["layer_bytes"][key]))
+        row("  memory (lower bound)", _gib(zl["memory_bytes"]), _gib(rl["memory_bytes"]))
+        row("  largest tensor (elements)", zl["largest_tensor"]["elements"],
+            rl["largest_tensor"]["elements"])
 
     row("busiest rank token-slots", z["busiest_slots"], r["busiest_slots"])
     row("mean token-slots", f"{z['mean_slots']:.0f}", f"{r['mean_slots']:.0f}")
     row("busiest / mean", f"{z['imbalance']:.2f}x", f"{r['imbalance']:.2f}x")
     row("most tokens received", z["busiest_tokens"], r["busiest_tokens"])
-    for key in z["layer_bytes"]:
-        row(f"  {key}", _gib(z["layer_bytes"][key]), _gib(r["layer_bytes"][key]))
     row("expert weights (all layers)", _gib(plan["weight_bytes"]), _gib(plan["weight_bytes"]))
     row("all-to-all buffer footprint", _gib(plan["buffer_bytes"]), _gib(plan["buffer_bytes"]))
-    row("memory (lower bound)", _gib(z["memory_bytes"]), _gib(r["memory_bytes"]))
-    row("largest tensor (elements)", z["largest_tensor"]["elements"],
-        r["largest_tensor"]["elements"])
+    bound = plan["experts_tokens_per_pass"]
+    if bound is None:
+        memory("batched layout (bounded by its capacity, any routing):", z, r)
+    else:
+        memory(f"experts in passes of {bound} tokens (in effect):", z, r)
+        memory("experts in one pass (no bound):", z["one_pass"], r["one_pass"])
+    lines += _table(rows)
     d = plan["deepep"]
     lines += ["", (f"DeepEP: NVL buffer {_gib(d['nvl_bytes'])} (high-throughput hint "
                    f"{_gib(d['nvl_hint_bytes'])}), HT RDMA hint {_gib(d['ht_rdma_hint_bytes'])}, "
@@ -410,5 +484,7 @@ def format_plan(plan: dict) -> str:
               ""]
     for name, flag in plan["flags"].items():
         lines.append(f"[{'FLAG' if flag['raised'] else ' ok '}] {name}: {flag['detail']}")
+    for name, text in plan["notes"].items():
+        lines.append(f"[info] {name}: {text}")
     lines.append(f"(planned in {plan['elapsed_s']:.2f} s)")
     return "\n".join(lines)
