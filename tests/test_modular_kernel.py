@@ -75,7 +75,7 @@ def test_chunked_call_matches_one_pass(chunk, M, monkeypatch):
     assert kernel.workspaces.ws13.numel() == ws13[0] * ws13[1]
     assert kernel.workspaces.ws2.numel() == ws2[0] * ws2[1]
     check_close(out, reference(p))
-    assert calc_diff(out, one_pass) < 1e-6  # float32 matmuls of other row counts may round apart
+    assert torch.equal(out, one_pass)  # a row's arithmetic does not depend on the other rows
 
 
 def test_expert_parallel_ranks_run_the_agreed_number_of_chunks(monkeypatch):

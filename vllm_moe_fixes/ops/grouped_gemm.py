@@ -18,7 +18,8 @@ blocks of 128 and promotes each block's FP8 tensor-core partial product to float
 - masked layout (``grouped_fp8_gemm_masked``): a [E, T, K] batch, of which only the first
   ``masked_m[e]`` rows of expert e are computed; the rest of ``out[e]`` is left untouched.
 
-CUDA tensors run the Triton kernel, CPU tensors the float32 torch references defined here.
+CUDA tensors run the Triton kernel, CPU tensors the torch references defined here (the same sum,
+with each block's dot products exact, so a row's result does not depend on the other rows).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, dequant_block_fp8
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,33 +311,52 @@ def grouped_fp8_gemm_masked_triton(a, w, out, masked_m, expected_m=None,
 
 
 # ----------------------------------------------------------------------------------------------
-# torch references (float32 dequantise-and-matmul, one expert at a time)
+# torch references (one expert at a time; exact FP8 block products, float32 scaling)
 # ----------------------------------------------------------------------------------------------
-def _dequant_rows(a_q: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
-    """[R, K] fp8 with [R, K/128] scales -> float32 [R, K]."""
-    return a_q.float() * a_s.float().repeat_interleave(SCALE_BLOCK, dim=-1)
+def _block_scaled_gemm_ref(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor,
+                           w_s: torch.Tensor) -> torch.Tensor:
+    """float32 [R, N] = sum over K blocks kb of P_kb * (a_s[:, kb] * w_s[n // 128, kb]), the
+    blocks accumulated in K order as the kernel accumulates them.
+
+    a_q fp8 [R, K], a_s [R, K/128]; w_q fp8 [N, K], w_s [N/128, K/128]. P_kb, a block's dot
+    products of FP8 values, is exact: float64 holds every sum of 128 e4m3 products (each a
+    multiple of 2**-18 below 2**18), whatever order the matmul adds them in, and it is rounded
+    once to float32. Every other step is elementwise, so a row's result does not depend on which
+    rows share the call (chunking a layer call changes no bit on CPU).
+    """
+    R, K = a_q.shape
+    N = w_q.shape[0]
+    acc = torch.zeros(R, N, dtype=torch.float32, device=a_q.device)
+    a_s = a_s.float()
+    w_s = w_s.float().repeat_interleave(SCALE_BLOCK, dim=0)[:N]  # [N, K/128]
+    for kb in range(K // SCALE_BLOCK):
+        cols = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
+        part = (a_q[:, cols].double() @ w_q[:, cols].double().t()).float()
+        acc += part * (a_s[:, kb:kb + 1] * w_s[:, kb])
+    return acc
 
 
 def grouped_fp8_gemm_contiguous_ref(a, w, out, m_indices):
-    """float32 torch reference of `grouped_fp8_gemm_contiguous` (any device; -1 rows -> 0)."""
+    """torch reference of `grouped_fp8_gemm_contiguous` (any device; -1 rows -> 0); batch
+    invariant (`_block_scaled_gemm_ref`)."""
     (a_q, a_s), (w_q, w_s) = a, w
     out[m_indices < 0] = 0
     for e in range(w_q.shape[0]):
         rows = (m_indices == e).nonzero().flatten()
         if rows.numel():
-            y = _dequant_rows(a_q[rows], a_s[rows]) @ dequant_block_fp8(w_q[e], w_s[e]).t()
-            out[rows] = y.to(out.dtype)
+            out[rows] = _block_scaled_gemm_ref(a_q[rows], a_s[rows], w_q[e], w_s[e]).to(out.dtype)
     return out
 
 
 def grouped_fp8_gemm_masked_ref(a, w, out, masked_m, expected_m=None):
-    """float32 torch reference of `grouped_fp8_gemm_masked` (any device; rows >= masked_m kept)."""
+    """torch reference of `grouped_fp8_gemm_masked` (any device; rows >= masked_m kept); batch
+    invariant (`_block_scaled_gemm_ref`)."""
     (a_q, a_s), (w_q, w_s) = a, w
     for e, m in enumerate(masked_m.tolist()):
         m = min(max(m, 0), a_q.shape[1])
         if m:
-            y = _dequant_rows(a_q[e, :m], a_s[e, :m]) @ dequant_block_fp8(w_q[e], w_s[e]).t()
-            out[e, :m] = y.to(out.dtype)
+            out[e, :m] = _block_scaled_gemm_ref(a_q[e, :m], a_s[e, :m], w_q[e],
+                                                w_s[e]).to(out.dtype)
     return out
 
 
