@@ -91,3 +91,26 @@ def test_check_returns_the_hint():
     got = v2.check_elastic_config(num_ranks=8, max_tokens_per_rank=128, hidden=7168,
                                   num_experts=256, num_topk=8)
     assert got == hint(128, 7168, 8, num_topk=8, use_fp8_dispatch=True) == 16 * MiB
+
+
+def test_planner_reports_v2_beside_v1():
+    import dataclasses
+
+    from vllm_moe_fixes.config import PRESETS
+    from vllm_moe_fixes.planner import format_plan, make_plan
+    cfg = PRESETS["deepseek-r1"]
+    want = v2.check_elastic_config(num_ranks=16, max_tokens_per_rank=128, hidden=7168,
+                                   num_experts=256)
+    plan = make_plan(cfg, dp=16, max_tokens=128, backend="naive")
+    assert plan["deepep"]["v2_hint_bytes"] == want and plan["buffer_bytes"] == 0
+    assert plan["deepep"]["v2_buffer_bytes"] == v2.elastic_buffer_footprint_bytes(want)
+    plan = make_plan(cfg, dp=16, max_tokens=128, backend="deepep_v2")
+    assert plan["buffer_bytes"] == v2.elastic_buffer_footprint_bytes(want)
+    assert plan["layout"] == "standard" and not plan["flags"]["deepep_cannot_serve"]["raised"]
+    assert "DeepEP V2: ElasticBuffer hint" in format_plan(plan)
+    # 1024 experts on 2 ranks: 512 local experts, more than V2 takes.
+    wide = dataclasses.replace(cfg, num_experts=1024)
+    plan = make_plan(wide, dp=2, max_tokens=64, backend="deepep_v2")
+    assert plan["deepep"]["v2_hint_bytes"] is None
+    flag = plan["flags"]["deepep_cannot_serve"]
+    assert flag["raised"] and "at most 256 per rank" in flag["detail"]

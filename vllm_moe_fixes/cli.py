@@ -100,6 +100,11 @@ def _optional(name: str) -> tuple[bool, str]:
     return False, "not installed"
 
 
+def _deep_ep_generation() -> str:
+    from vllm_moe_fixes._compat import deep_ep as deep_ep_compat
+    return deep_ep_compat.describe()
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     import torch
 
@@ -121,7 +126,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{'gpu':<10}none (CPU tensors run the torch reference of every op)")
     has_ep, ep_text = _optional("deep_ep")
     has_gemm, gemm_text = _optional("deep_gemm")
-    print(f"{'deep_ep':<10}{ep_text}")
+    print(f"{'deep_ep':<10}{ep_text}" + (f": {_deep_ep_generation()}" if has_ep else ""))
     print(f"{'deep_gemm':<10}{gemm_text}")
 
     print("\nenvironment variables (effective values):")
@@ -152,14 +157,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("  all-to-all: naive (TorchAll2AllBuffer on torch.distributed: NCCL on GPUs, gloo on "
               "CPU) with the high-throughput prepare/finalize; none on a single rank")
     elif backend is not None:
-        mode = "high-throughput" if backend == "deepep_high_throughput" else "low-latency"
-        if has_ep:
-            print(f"  all-to-all: DeepEP {mode} (deep_ep.Buffer); none on a single rank")
-        else:
-            print(f"  all-to-all: none: VLLM_ALL2ALL_BACKEND={backend} but DeepEP is not "
-                  "importable")
-            problems.append(f"VLLM_ALL2ALL_BACKEND={backend} needs DeepEP, which is not "
-                            "importable: build it from source or set VLLM_ALL2ALL_BACKEND=naive")
+        from vllm_moe_fixes._compat import deep_ep as deep_ep_compat
+        mode = {"deepep_high_throughput": "v1.2.1 high-throughput (deep_ep.Buffer)",
+                "deepep_low_latency": "v1.2.1 low-latency (deep_ep.Buffer)",
+                "deepep_v2": "V2 (deep_ep.ElasticBuffer)"}[backend]
+        try:
+            deep_ep_compat.require(backend)  # the generation this backend needs
+            print(f"  all-to-all: DeepEP {mode}; none on a single rank")
+        except ImportError as e:
+            print(f"  all-to-all: none: {e}")
+            problems.append(str(e))
     if problems:
         print("\nproblems:", *(f"  - {p}" for p in problems), sep="\n")
         return 2

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-ALL2ALL_BACKENDS = ("naive", "deepep_high_throughput", "deepep_low_latency")
+ALL2ALL_BACKENDS = ("naive", "deepep_high_throughput", "deepep_low_latency", "deepep_v2")
 
 _TRUE = ("1", "true")
 _FALSE = ("0", "false")
@@ -82,7 +82,8 @@ REGISTRY: dict[str, EnvVar] = {
     var.name: var
     for var in (
         EnvVar("VLLM_ALL2ALL_BACKEND", _parse_backend, "naive",
-               "all-to-all used by the expert-parallel prepare/finalize; naive = torch.distributed",
+               "all-to-all used by the expert-parallel prepare/finalize; naive = torch.distributed, "
+               "deepep_* = DeepEP v1.2.1's two modes, deepep_v2 = DeepEP V2's ElasticBuffer",
                ", ".join(ALL2ALL_BACKENDS)),
         EnvVar("VLLM_USE_DEEP_GEMM", _parse_bool, False,
                "experts call DeepGEMM's grouped FP8 GEMMs (error if requested and not importable)",

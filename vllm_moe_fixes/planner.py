@@ -33,8 +33,10 @@ max_tokens rows per local expert, whatever the routing.
 
 Memory model at the busiest rank (the one receiving the most tokens; bytes): the MoE weights of
 its local experts over all MoE layers (FP8 with float32 128x128 block scales) + the device
-footprint of the backend's DeepEP buffer (``deepep_buffer_footprint_bytes``: its byte counts,
-DeepEP's 32 MiB workspace, NVSHMEM's heap granularity and fixed cost) + one layer's received rows,
+footprint of the backend's DeepEP buffer (v1.2.1, ``deepep_buffer_footprint_bytes``: its byte
+counts, DeepEP's 32 MiB workspace, NVSHMEM's heap granularity and fixed cost; V2,
+``elastic_buffer_footprint_bytes``: V2's hint and its workspace, NCCL's own state not counted;
+both are reported whichever backend runs) + one layer's received rows,
 expert workspaces (``vllm_moe_fixes.sizes``, the shapes the experts ask the modular kernel for;
 they hold the experts' output) and result (the modular kernel reuses the workspaces across
 layers).
@@ -59,6 +61,10 @@ from vllm_moe_fixes.distributed.deepep_sizing import (
     deepep_ll_rdma_bytes,
     deepep_nvl_bytes,
     deepep_rdma_bytes,
+)
+from vllm_moe_fixes.distributed.deepep_v2_sizing import (
+    check_elastic_config,
+    elastic_buffer_footprint_bytes,
 )
 from vllm_moe_fixes.sizes import SCALE_BLOCK, batched_workspace_shapes, contiguous_workspace_shapes
 
@@ -207,11 +213,11 @@ def _weight_bytes(cfg: MoEModelConfig, local_num_experts: int) -> int:
     return cfg.num_moe_layers * local_num_experts * per_expert
 
 
-def _hint_or_none(fn, *args):
+def _hint_or_none(fn, *args, **kwargs):
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except ValueError:
-        return None  # DeepEP has no tuned config for this rank count
+        return None  # DeepEP has no tuned config for this rank count, or refuses the sizes
 
 
 def _gib(n: int | None) -> str:
@@ -254,17 +260,27 @@ def _size_buffers(cfg: MoEModelConfig, backend: str, ep: int, max_tokens: int) -
               "ll_rdma_hint_bytes": deepep_ll_rdma_bytes(max_tokens, K, ep, E),
               "fixed_rdma_bytes": FIXED_RDMA_BYTES,
               "buffer_kwargs": None, "buffer_bytes": 0}
+    # DeepEP V2 as make_all2all_buffer builds it (top-k 32; 8-GPU NVLink domains assumed here).
+    v2_hint = _hint_or_none(check_elastic_config, num_ranks=ep, max_tokens_per_rank=max_tokens,
+                            hidden=K, num_experts=E)
+    deepep["v2_hint_bytes"] = v2_hint
+    deepep["v2_buffer_bytes"] = None if v2_hint is None else elastic_buffer_footprint_bytes(v2_hint)
     if ep == 1 or backend == "naive":
         why = ("one rank: no all-to-all" if ep == 1
                else "naive backend: torch.distributed all-to-all")
         return deepep, {"raised": False, "detail": f"{backend}: not a DeepEP configuration ({why})"}
     try:
-        kwargs = check_deepep_config(backend, num_ranks=ep, max_tokens_per_rank=max_tokens,
-                                     hidden=K, num_experts=E, nvl_bytes=nvl)
+        if backend == "deepep_v2":
+            kwargs = {"num_bytes": check_elastic_config(
+                num_ranks=ep, max_tokens_per_rank=max_tokens, hidden=K, num_experts=E)}
+        else:
+            kwargs = check_deepep_config(backend, num_ranks=ep, max_tokens_per_rank=max_tokens,
+                                         hidden=K, num_experts=E, nvl_bytes=nvl)
     except ValueError as e:
         return deepep, {"raised": True, "detail": f"{backend} cannot run this configuration: {e}"}
     deepep["buffer_kwargs"] = kwargs
-    deepep["buffer_bytes"] = deepep_buffer_footprint_bytes(**kwargs)
+    deepep["buffer_bytes"] = (elastic_buffer_footprint_bytes(**kwargs) if backend == "deepep_v2"
+                              else deepep_buffer_footprint_bytes(**kwargs))
     return deepep, {"raised": False, "detail": f"{backend} accepts ep={ep}, hidden={K}, "
                                                f"max_tokens={max_tokens}, experts={E}"}
 
@@ -326,11 +342,10 @@ def _raise_flags(cfg: MoEModelConfig, loads: dict, deepep: dict, cannot_serve: d
             "raised": FIXED_RDMA_BYTES < ll_hint,
             "detail": f"{versus}: DeepEP's 'layout.total_bytes <= num_rdma_bytes' assertion"}
     else:
-        why = "one rank has no all-to-all" if ep == 1 else f"the {backend} backend builds none"
+        why = "one rank" if ep == 1 else f"the {backend} backend"
         flags["fixed_rdma_below_ll_hint"] = {
             "raised": False,
-            "detail": f"no low-latency RDMA buffer here ({why}); deepep_low_latency at ep > 1 "
-                      f"would compare {versus}"}
+            "detail": f"no low-latency RDMA buffer with {why}; with deepep_low_latency: {versus}"}
     flags["ll_unsupported_hidden"] = {
         "raised": K not in LL_SUPPORTED_HIDDEN,
         "detail": f"hidden {K}; DeepEP low-latency supports "
@@ -380,7 +395,8 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
     inputs_in_effect, loads (per input kind: busiest_rank, busiest_slots, mean_slots, imbalance,
     busiest_tokens, slots_per_rank, layer_bytes, memory_bytes, largest_tensor, and one_pass:
     layer_bytes, memory_bytes, largest_tensor of experts without the bound), weight_bytes,
-    buffer_bytes (the DeepEP buffer's device footprint), deepep (hints, buffer_kwargs,
+    buffer_bytes (the DeepEP buffer's device footprint), deepep (v1.2.1's hints, V2's
+    v2_hint_bytes and v2_buffer_bytes (None where V2 refuses the sizes), buffer_kwargs,
     buffer_bytes), flags (name -> {raised, detail}), notes (name -> text), elapsed_s.
     """
     start = time.perf_counter()
@@ -482,6 +498,8 @@ def format_plan(plan: dict) -> str:
                    f"{_gib(d['nvl_hint_bytes'])}), HT RDMA hint {_gib(d['ht_rdma_hint_bytes'])}, "
                    f"LL RDMA hint {d['ll_rdma_hint_bytes']} bytes "
                    f"({_gib(d['ll_rdma_hint_bytes'])})"),
+              (f"DeepEP V2: ElasticBuffer hint {_gib(d['v2_hint_bytes'])} (device footprint "
+               f"{_gib(d['v2_buffer_bytes'])} with its workspace, NCCL's own not counted)"),
               ""]
     for name, flag in plan["flags"].items():
         lines.append(f"[{'FLAG' if flag['raised'] else ' ok '}] {name}: {flag['detail']}")

@@ -81,6 +81,19 @@ class _LLHandle(NamedTuple):
     workspace: ll.LLWorkspace       # the dispatch's tensors, reused by the combine
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t with row-major strides, for a view as another dtype. ``contiguous()`` is not enough: a
+    tensor with one row or none counts as contiguous whatever its strides (a one-row slice of a
+    packed row keeps the row's stride), and the view refuses strides it cannot divide."""
+    strides, step = [], 1
+    for n in reversed(t.shape):
+        strides.append(step)
+        step *= n
+    if t.stride() == tuple(reversed(strides)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class TorchAll2AllBuffer:
     """The all-to-all buffer of the ``naive`` backend (DeepEP ``Buffer`` API, torch.distributed).
 
@@ -147,7 +160,7 @@ class TorchAll2AllBuffer:
                   recv_splits: list[int]) -> torch.Tensor:
         """all_to_all_single of the rows of ``send`` (any dtype; moved as bytes)."""
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
-        payload = send.contiguous().view(torch.uint8).reshape(send.shape[0], row_bytes)
+        payload = _dense(send).view(torch.uint8).reshape(send.shape[0], row_bytes)
         out = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=send.device)
         if row_bytes:
             run_collective(dist.all_to_all_single, out, payload, recv_splits, send_splits,
@@ -166,12 +179,12 @@ class TorchAll2AllBuffer:
             return [self._exchange(send, send_splits, recv_splits)]
         t = fields[0].shape[0]
         widths = [math.prod(f.shape[1:]) * f.element_size() for f in fields]
-        payload = torch.cat([f.contiguous().view(torch.uint8).reshape(t, w)
+        payload = torch.cat([_dense(f).view(torch.uint8).reshape(t, w)
                              for f, w in zip(fields, widths)], 1)
         got = self._exchange(payload if rows is None else payload[rows], send_splits, recv_splits)
         out, start = [], 0
         for f, w in zip(fields, widths):
-            field = got[:, start:start + w].contiguous().view(f.dtype)
+            field = _dense(got[:, start:start + w]).view(f.dtype)
             out.append(field.view(got.shape[0], *f.shape[1:]))
             start += w
         return out

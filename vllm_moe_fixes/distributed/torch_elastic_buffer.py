@@ -249,7 +249,8 @@ class TorchElasticBuffer:
             check(isinstance(topk_weights, torch.Tensor) and topk_weights.shape == (rows, k),
                   f"topk_weights must be [{rows}, {k}]; got "
                   f"{getattr(topk_weights, 'shape', type(topk_weights).__name__)}")
-            topk_weights = torch.where(handle.recv_topk_idx[:v] >= 0, topk_weights[:v], 0.0)
+            # masked_fill keeps the rows' strides (torch.where of zero rows may give stride 0)
+            topk_weights = topk_weights[:v].masked_fill(handle.recv_topk_idx[:v] < 0, 0.0)
         self._check_bytes("combine", v2.combine_buffer_bytes(
             handle.num_max_tokens_per_rank, x.shape[1], num_topk=k,
             allow_multiple_reduction=self.allow_multiple_reduction, **self._topology()))

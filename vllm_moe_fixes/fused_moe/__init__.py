@@ -1,4 +1,5 @@
-"""The modular MoE layer: prepare/finalize (NoEP, DeepEP high-throughput, low-latency) x experts."""
+"""The modular MoE layer: prepare/finalize (NoEP, DeepEP high-throughput, low-latency, V2) x
+experts."""
 
 from vllm_moe_fixes.fused_moe.batched_experts import (
     BatchedDeepGemmExperts,
@@ -9,6 +10,7 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
 )
+from vllm_moe_fixes.fused_moe.deepep_v2_prepare_finalize import DeepEPV2PrepareAndFinalize
 from vllm_moe_fixes.fused_moe.contiguous_experts import (
     DeepGemmExperts,
     TritonExperts,
@@ -35,7 +37,8 @@ from vllm_moe_fixes.fused_moe.workspaces import Workspaces
 from vllm_moe_fixes.testing import moe_reference
 
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
-           "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize", "DeepGemmExperts",
+           "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize",
+           "DeepEPV2PrepareAndFinalize", "DeepGemmExperts",
            "Experts", "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize",
            "PrepareResult", "TritonExperts", "Workspaces", "fused_topk", "grouped_topk",
            "local_expert_map", "make_moe_kernel", "make_prepare_finalize", "moe_reference",

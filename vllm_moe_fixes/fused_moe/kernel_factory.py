@@ -9,6 +9,8 @@ the activation format that prepare/finalize produces and VLLM_USE_DEEP_GEMM.
     a group   naive or deepep_high_throughput    DeepEPHT..., standard     DeepGemmExperts
     a group   deepep_low_latency, or naive with  DeepEPLL..., batched      BatchedTritonExperts, or
               low_latency=True                                             BatchedDeepGemmExperts
+    a group   deepep_v2 (DeepEP V2's buffer)     DeepEPV2..., standard     TritonExperts, or
+                                                                           DeepGemmExperts
     (the DeepGEMM class of each pair with VLLM_USE_DEEP_GEMM=1)
 
 With a group of R ranks, rank r holds the E_l = E / R experts [r*E_l, (r+1)*E_l) (DeepEP's
@@ -29,6 +31,7 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
 )
+from vllm_moe_fixes.fused_moe.deepep_v2_prepare_finalize import DeepEPV2PrepareAndFinalize
 from vllm_moe_fixes.fused_moe.modular_kernel import (
     ActivationFormat,
     Experts,
@@ -54,10 +57,12 @@ def make_moe_kernel(ep_group: dist.ProcessGroup | None, *, hidden_size: int,
         num_experts: E, the global expert count, a multiple of the group's rank count R.
         max_tokens_per_rank: N, the most tokens one rank passes to a dispatch (sizes the
             low-latency buffer; longer calls run in chunks); None: VLLM_MOE_DP_CHUNK_SIZE.
-        backend: "naive", "deepep_high_throughput" or "deepep_low_latency"; None:
-            VLLM_ALL2ALL_BACKEND.
+        backend: "naive", "deepep_high_throughput", "deepep_low_latency" or "deepep_v2";
+            None: VLLM_ALL2ALL_BACKEND.
         low_latency: the low-latency (batched) dispatch; None: backend == "deepep_low_latency".
-            The naive backend serves both modes; each DeepEP backend only its own.
+            The naive backend serves both modes; each DeepEP v1 backend only its own. deepep_v2
+            has one dispatch (standard format): low_latency=True runs it without a host read
+            (do_cpu_sync=False: R*N rows, CUDA-graph capturable), else with the exact size.
         workspaces: a Workspaces shared with other layers' kernels; None: the kernel's own.
         Without a group there is no dispatch: max_tokens_per_rank, backend and low_latency are
         not read.
@@ -81,8 +86,8 @@ def make_prepare_finalize(ep_group: dist.ProcessGroup | None, *, hidden_size: in
                           backend: str | None = None,
                           low_latency: bool | None = None) -> PrepareAndFinalize:
     """The prepare/finalize of `make_moe_kernel` (same arguments): NoEPPrepareAndFinalize without
-    a group; else DeepEPHT- or DeepEPLLPrepareAndFinalize over `make_all2all_buffer`'s buffer for
-    (ep_group, backend, N, K, E), built once per group and sizes."""
+    a group; else DeepEPHT-, DeepEPLL- or DeepEPV2PrepareAndFinalize over `make_all2all_buffer`'s
+    buffer for (ep_group, backend, N, K, E), built once per group and sizes."""
     check_positive_int("hidden_size", hidden_size)
     check_positive_int("num_experts", num_experts)
     if ep_group is None:
@@ -96,6 +101,12 @@ def make_prepare_finalize(ep_group: dist.ProcessGroup | None, *, hidden_size: in
         max_tokens_per_rank = envs.VLLM_MOE_DP_CHUNK_SIZE
     buffer = make_all2all_buffer(backend, ep_group, max_tokens_per_rank=max_tokens_per_rank,
                                  hidden=hidden_size, num_experts=num_experts)
+    if backend == "deepep_v2":
+        from vllm_moe_fixes._compat.deep_ep import require
+        return DeepEPV2PrepareAndFinalize(
+            buffer, num_dispatchers=num_ranks, rank_expert_offset=rank * local_num_experts,
+            max_tokens_per_rank=max_tokens_per_rank, do_cpu_sync=not low_latency,
+            topk_idx_dtype=require(backend).topk_idx_t)
     if low_latency:
         return DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=num_ranks,
                                           max_tokens_per_rank=max_tokens_per_rank)
@@ -149,8 +160,8 @@ def _check_mode(backend: str, low_latency: bool | None) -> bool:
         return backend == "deepep_low_latency"
     if not isinstance(low_latency, bool):
         raise ValueError(f"low_latency must be None or a bool, got {low_latency!r}")
-    if backend != "naive" and low_latency != (backend == "deepep_low_latency"):
+    if backend not in ("naive", "deepep_v2") and low_latency != (backend == "deepep_low_latency"):
         mode = "low-latency" if backend == "deepep_low_latency" else "high-throughput"
         raise ValueError(f"low_latency={low_latency} but backend {backend} serves only the "
-                         f"{mode} dispatch; the naive backend serves both")
+                         f"{mode} dispatch; the naive and deepep_v2 backends serve both")
     return low_latency
