@@ -342,10 +342,11 @@ def _raise_flags(cfg: MoEModelConfig, loads: dict, deepep: dict, cannot_serve: d
             "raised": FIXED_RDMA_BYTES < ll_hint,
             "detail": f"{versus}: DeepEP's 'layout.total_bytes <= num_rdma_bytes' assertion"}
     else:
-        why = "one rank" if ep == 1 else f"the {backend} backend"
+        why = "one rank has no all-to-all" if ep == 1 else f"the {backend} backend builds none"
         flags["fixed_rdma_below_ll_hint"] = {
             "raised": False,
-            "detail": f"no low-latency RDMA buffer with {why}; with deepep_low_latency: {versus}"}
+            "detail": f"no low-latency RDMA buffer here ({why}); deepep_low_latency at ep > 1 "
+                      f"would compare {versus}"}
     flags["ll_unsupported_hidden"] = {
         "raised": K not in LL_SUPPORTED_HIDDEN,
         "detail": f"hidden {K}; DeepEP low-latency supports "
