@@ -2,7 +2,8 @@
 
 ``vllm_moe_fixes.envs.VLLM_USE_DEEP_GEMM`` reads the environment at that moment, so a test or an
 engine may change a variable between two reads. An unset (or empty) variable gives its default; a
-value that does not parse raises ``ValueError`` naming the variable, the value and what is allowed.
+value that does not parse raises ``ValueError`` naming the variable, the value and what is allowed,
+on every path that reads it: a variable that matters on one device only is read on every device.
 
 Every variable is one ``EnvVar`` in ``REGISTRY``; the README's table and ``vllm-moe-fixes check``
 are generated from it.
@@ -127,6 +128,15 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(list(globals()) + list(REGISTRY))
+
+
+def values_checked_on(device) -> bool:
+    """Whether the value checks of layer inputs (topk_ids and expert_map ranges, a finite routing
+    bias) run for tensors on ``device`` (a ``torch.device``): always on the CPU, where reading
+    values costs no device synchronisation; on CUDA only with VLLM_MOE_CHECK_IDS=1. The variable
+    is read, and so validated, on every device alike."""
+    enabled = REGISTRY["VLLM_MOE_CHECK_IDS"].read()
+    return enabled or device.type != "cuda"
 
 
 def current_values() -> dict[str, Any]:

@@ -22,7 +22,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16"}
 def checks_values(t: torch.Tensor) -> bool:
     """Whether to check the values of ``t``: always on the CPU, on CUDA only when asked (a read of
     a device value waits for the device)."""
-    return t.device.type != "cuda" or envs.VLLM_MOE_CHECK_IDS
+    return envs.values_checked_on(t.device)
 
 
 def describe(t) -> str:

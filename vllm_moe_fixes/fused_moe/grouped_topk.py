@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_moe_fixes import envs
 from vllm_moe_fixes._validate import check, check_positive_int
 from vllm_moe_fixes.ops.triton_utils import next_power_of_2
 
@@ -280,6 +281,16 @@ def _check_args(gating_output, topk, renormalize, num_expert_group, topk_group, 
           f"on {getattr(bias, 'device', None)}")
 
 
+def _check_bias_finite(bias: torch.Tensor) -> None:
+    """ValueError naming the first NaN or inf of the correction bias (such an entry would drop
+    or force its expert on every token). Reads the values: a host synchronisation on CUDA."""
+    bad = ~torch.isfinite(bias)
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0, 0])
+        raise ValueError(f"e_score_correction_bias must be finite; "
+                         f"e_score_correction_bias[{e}] = {float(bias[e])}")
+
+
 def grouped_topk(gating_output: torch.Tensor, topk: int, *, renormalize: bool,
                  num_expert_group: int, topk_group: int, scoring_func: str = "sigmoid",
                  e_score_correction_bias: torch.Tensor | None = None,
@@ -298,8 +309,10 @@ def grouped_topk(gating_output: torch.Tensor, topk: int, *, renormalize: bool,
             G divides E, and each group holds at least 2 experts when G > 1. G = 1: plain top-k.
         topk_group: the number of groups each token may use, 1 <= topk_group <= G.
         scoring_func: "sigmoid" (DeepSeek-V3/R1) or "softmax" (over each row).
-        e_score_correction_bias: `[E]` `torch.float32` on gating_output's device (finite), or
+        e_score_correction_bias: `[E]` `torch.float32` on gating_output's device, finite, or
             None (zero). Added to the scores to choose groups and experts, never to the weights.
+            Checked finite as the layer checks ids: always on the CPU, on CUDA with
+            VLLM_MOE_CHECK_IDS=1 (the check reads the values, a host synchronisation).
         routed_scaling_factor: finite number > 0 multiplying the weights (after renormalising).
             The weights carry the factor, so the MoE layer needs no extra scale. vLLM's DeepSeek
             model instead multiplies the MoE layer's output by it; pass 1.0 for vLLM's weights.
@@ -319,6 +332,9 @@ def grouped_topk(gating_output: torch.Tensor, topk: int, *, renormalize: bool,
     """
     _check_args(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func,
                 e_score_correction_bias, routed_scaling_factor)
+    check_values = envs.values_checked_on(gating_output.device)
+    if check_values and e_score_correction_bias is not None:
+        _check_bias_finite(e_score_correction_bias)
     kwargs = dict(renormalize=renormalize, num_expert_group=num_expert_group,
                   topk_group=topk_group, scoring_func=scoring_func,
                   e_score_correction_bias=e_score_correction_bias,

@@ -41,7 +41,7 @@ def check_layer_call(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, glob
             isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M):
         raise ValueError(f"max_tokens_across_ranks must be None or an int >= M={M}, got "
                          f"{max_tokens_across_ranks!r}")
-    if not x.is_cuda or envs.VLLM_MOE_CHECK_IDS:
+    if envs.values_checked_on(x.device):
         check_routing_ranges(topk_ids, global_num_experts, expert_map, local_num_experts)
 
 
@@ -113,7 +113,8 @@ def check_topk(topk_weights: torch.Tensor, topk_ids: torch.Tensor, M: int) -> in
 def check_expert_map(expert_map, global_num_experts, local_num_experts: int) -> None:
     """global_num_experts an int >= E_l; expert_map int32 [global_num_experts], or None when
     every expert is local (global_num_experts == E_l)."""
-    if not (isinstance(global_num_experts, int) and global_num_experts >= local_num_experts):
+    if isinstance(global_num_experts, bool) or not (
+            isinstance(global_num_experts, int) and global_num_experts >= local_num_experts):
         raise ValueError(f"global_num_experts must be an int >= E_l={local_num_experts}, got "
                          f"{global_num_experts!r}")
     if expert_map is None:

@@ -128,7 +128,8 @@ def maybe_randomize_inputs(input_ids: torch.Tensor, *, vocab_size: int, dp_size:
             enabled; a bad ``VLLM_RANDOMIZE_DP_DUMMY_INPUTS`` value (from ``vllm_moe_fixes.envs``).
     """
     _validate(input_ids, vocab_size, dp_size, inputs_embeds)
-    if dp_size == 1 or not envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS:
+    enabled = envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS  # read (and validated) at dp_size 1 too
+    if dp_size == 1 or not enabled:
         yield False
         return
     pairs = [(input_ids, _random_ids(input_ids, vocab_size))]
