@@ -148,6 +148,9 @@ def load_model_config(model: str) -> MoEModelConfig:
         try:
             with open(model, encoding="utf-8") as f:
                 data = json.load(f)
+        except UnicodeDecodeError as e:  # a ValueError too, but one that names no file
+            raise ValueError(f"cannot read model config {model!r}: it is not UTF-8 text "
+                             f"({e})") from None
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read model config {model!r}: {e}") from None
         stem = os.path.splitext(os.path.basename(model))[0]
