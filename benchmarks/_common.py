@@ -25,6 +25,9 @@ API (keep it small):
     print_best(rows, title, n=8, key="M", by="us") -> None
         A sweep's summary: title, then for every value of rows' `key` (first-seen order) the `n`
         rows with the smallest `by`, as a print_table of all their columns.
+    require_cuda(benchmark) -> None      exit "<benchmark> needs a CUDA GPU" (status 1, no
+                                         traceback) where torch sees no GPU; call after parsing
+                                         the arguments, so that --help works anywhere.
     write_json(name, payload) -> Path    benchmarks/results/<name>.json: payload plus
                                          "environment" (GPU name, torch/triton versions, UTC date,
                                          git commit when available).
@@ -44,6 +47,11 @@ import triton
 import triton.testing
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def require_cuda(benchmark: str) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{benchmark} needs a CUDA GPU")
 
 
 def bench_us(fn, arg_sets, warmup=25, rep=100) -> float:

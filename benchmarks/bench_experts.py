@@ -47,6 +47,7 @@ from benchmarks._common import (
     graph_us,
     host_us,
     print_table,
+    require_cuda,
     write_json,
 )
 from vllm_moe_fixes._compat import deep_gemm as dg
@@ -223,8 +224,7 @@ def main() -> None:
     parser.add_argument("--skip-chunks", action="store_true", help="no chunk-size sweep")
     parser.add_argument("--skip-batched", action="store_true", help="no batched-experts table")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_experts needs a CUDA GPU")
+    require_cuda("bench_experts")
     backends = [("triton", TritonExperts, BatchedTritonExperts)]
     if dg.is_available():
         backends.append(("deep_gemm", DeepGemmExperts, BatchedDeepGemmExperts))

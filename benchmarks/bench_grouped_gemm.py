@@ -19,7 +19,7 @@ import sys
 import torch
 import triton
 
-from benchmarks._common import bench_us, print_table, write_json
+from benchmarks._common import bench_us, print_table, require_cuda, write_json
 from vllm_moe_fixes._compat import deep_gemm as dg
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.grouped_gemm import (
@@ -213,8 +213,7 @@ def main():
     parser.add_argument("--shapes", default="all",
                         help="comma-separated indices into the shape list (default: all)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_grouped_gemm needs a CUDA GPU")
+    require_cuda("bench_grouped_gemm")
     shapes = list(SHAPES.items())
     if args.shapes != "all":
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]

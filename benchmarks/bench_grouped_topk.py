@@ -30,6 +30,7 @@ from benchmarks._common import (
     host_us,
     print_best,
     print_table,
+    require_cuda,
     rotating,
     write_json,
 )
@@ -97,6 +98,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time launch configs")
     args = parser.parse_args()
+    require_cuda("bench_grouped_topk")
     rows, sweep = [], []
     for M in MS:
         sets = rotating(functools.partial(_make, M), _bytes(M))

@@ -35,6 +35,7 @@ from benchmarks._common import (
     host_us,
     print_best,
     print_table,
+    require_cuda,
     rotating,
     write_json,
 )
@@ -84,6 +85,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
     args = parser.parse_args()
+    require_cuda("bench_moe_sum")
     rows, sweep = [], []
     for M in MS:
         sets = rotating(functools.partial(_make, M), _bytes(M))

@@ -47,6 +47,7 @@ from benchmarks._common import (
     host_us,
     print_best,
     print_table,
+    require_cuda,
     rotating,
     write_json,
 )
@@ -254,6 +255,7 @@ def main():
     parser.add_argument("--only", choices=("quant", "fused"), help="run one of the two tables")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
     args = parser.parse_args()
+    require_cuda("bench_quant")
     if args.only != "fused":
         _quant(args.sweep)
     if args.only != "quant":
