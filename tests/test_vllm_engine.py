@@ -5,7 +5,7 @@ engine_run.py), about 1.5-2 minutes on 2 cores. Skipped where vllm is not instal
 
 The two runs differ only in the experts: FP8 activations (1x128 groups) in ours, bf16 in vLLM's
 unquantised path. On these checkpoints (seed 1) that rounding moves prompt log-probs by at most
-0.21 (0.06-0.08 on average) and flips no greedy token; scaling the experts' output by 0.9 instead
+0.21 (0.06-0.09 on average) and flips no greedy token; scaling the experts' output by 0.9 instead
 moves them by up to 0.31 (0.14 on average) and flips a token.
 """
 
