@@ -79,6 +79,16 @@ def test_kernel_builder_passes_vllm_026s_layer_keyword_through():
     assert type(kernel.fused_experts) is VllmTritonExperts and len(calls) == 1
 
 
+def test_deep_gemm_asked_for_and_missing_is_an_error_not_triton(monkeypatch):
+    import importlib.util
+    if importlib.util.find_spec("deep_gemm") is not None:
+        pytest.skip("DeepGEMM is installed here")
+    from test_vllm_adapters import moe_config
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")
+    with pytest.raises(ImportError, match="VLLM_USE_DEEP_GEMM"):
+        plugin.experts_class_for(moe_config(E, TOPK), kFp8Static128BlockSym, kFp8Dynamic128Sym)
+
+
 def test_selector_leaves_unserved_layers_to_vllm(monkeypatch):
     """Micro-batching (DBO) and per-tensor FP8 are not ours: the selector says why."""
     from vllm.config import VllmConfig, set_current_vllm_config

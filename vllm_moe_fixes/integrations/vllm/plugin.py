@@ -61,8 +61,9 @@ def experts_class_for(config, weight_key, activation_key):
     """(our experts adapter class, None) for a layer this library serves, else (None, reason).
 
     Arguments: vLLM's ``FusedMoEConfig`` and the layer's weight / activation ``QuantKey``.
-    With VLLM_USE_DEEP_GEMM=1 and DeepGEMM not usable here, raises RuntimeError (as our own
-    selector does) instead of silently running Triton.
+    With VLLM_USE_DEEP_GEMM=1 and DeepGEMM not usable here, raises what our own selector raises
+    (MissingLibraryError, an ImportError, naming VLLM_USE_DEEP_GEMM and DeepGEMM; RuntimeError on
+    a GPU other than SM90) instead of silently running Triton.
     """
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 
@@ -72,10 +73,8 @@ def experts_class_for(config, weight_key, activation_key):
     pair = ((adapters.VllmBatchedTritonExperts, adapters.VllmBatchedDeepGemmExperts) if batched
             else (adapters.VllmTritonExperts, adapters.VllmDeepGemmExperts))
     cls = pair[1] if envs.VLLM_USE_DEEP_GEMM else pair[0]
-    if envs.VLLM_USE_DEEP_GEMM and not cls._supports_current_device():
-        raise RuntimeError(f"VLLM_USE_DEEP_GEMM=1 asks vllm_moe_fixes for {cls.__name__}, but "
-                           "DeepGEMM is not usable here (not importable, or not an SM90 GPU); "
-                           "unset it to run the Triton experts")
+    if envs.VLLM_USE_DEEP_GEMM:
+        cls._ours()  # our DeepGEMM experts raise their error where DeepGEMM cannot run
     fmt = (mk.FusedMoEActivationFormat.BatchedExperts if batched
            else mk.FusedMoEActivationFormat.Standard)
     ok, reason = cls.is_supported_config(cls, config, weight_key, activation_key, fmt)
