@@ -10,7 +10,8 @@ error while running the layer on any rank) or benchmark, 2 a bad argument or env
 backend the environment asks for that cannot run (found before anything runs), 141 the reader of
 the output went away (``plan ... | head``): what a shell reports for a command SIGPIPE ended,
 without a traceback. Integer arguments are decimal digits only, as environment values are.
-Heavy imports (torch, Triton, the kernels) happen inside the subcommand that needs them.
+Heavy imports (torch, Triton, the kernels) happen inside the subcommand that needs them: without
+torch, plan runs, check reports it missing (status 2) and demo and bench refuse (status 2).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ BENCH_AREAS = {"quant": "bench_quant", "moe_sum": "bench_moe_sum",
                "grouped_topk": "bench_grouped_topk", "all2all": "bench_all2all"}
 # Exit status after the output's reader went away: 128 + SIGPIPE, as a shell reports it.
 EXIT_BROKEN_PIPE = 141
+TORCH_INSTALL = ("pip install torch (on a GPU machine, the CUDA build that matches its driver; "
+                 "see the README's set-up)")
+DEMO_EXPERTS = 16  # --experts when neither it nor --model is given
 # The bench directory's module that draws the results (``python -m <package>.plots DIR``).
 PLOTS_MODULE = "plots"
 
@@ -105,23 +109,41 @@ def _deep_ep_generation() -> str:
     return deep_ep_compat.describe()
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    import torch
+def _import_torch(command: str):
+    """The torch module, or UsageError saying that ``command`` needs it and how to install it."""
+    try:
+        import torch
+    except ImportError as e:
+        raise UsageError(f"{command} needs torch, which is not installed ({e}): {TORCH_INSTALL}") \
+            from None
+    return torch
 
+
+def cmd_check(args: argparse.Namespace) -> int:
     problems = []
     print(f"{'python':<10}{platform.python_version()} ({sys.executable})")
-    print(f"{'torch':<10}{torch.__version__}")
+    try:
+        import torch
+    except ImportError as e:  # check exists to diagnose installs: say it and go on
+        torch = None
+        print(f"{'torch':<10}not installed ({e})")
+        problems.append(f"torch is not installed: no layer can run without it; {TORCH_INSTALL}")
+    else:
+        print(f"{'torch':<10}{torch.__version__}")
+    cuda = torch is not None and torch.cuda.is_available()
     try:
         import triton
         print(f"{'triton':<10}{triton.__version__}")
     except ImportError as e:
         print(f"{'triton':<10}not importable: {e}")
         problems.append("triton does not import: the Triton kernels cannot run on a GPU")
-    if torch.cuda.is_available():
+    if cuda:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             print(f"{'gpu ' + str(i):<10}{p.name}, sm_{p.major}{p.minor}, "
                   f"{p.total_memory / 2**30:.0f} GiB")
+    elif torch is None:
+        print(f"{'gpu':<10}unknown (torch, which finds GPUs, is not installed)")
     else:
         print(f"{'gpu':<10}none (CPU tensors run the torch reference of every op)")
     has_ep, ep_text = _optional("deep_ep")
@@ -144,7 +166,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if "VLLM_USE_DEEP_GEMM" in values:
         if not values["VLLM_USE_DEEP_GEMM"]:
             print("  experts: TritonExperts / BatchedTritonExperts (grouped FP8 GEMM in Triton"
-                  + (")" if torch.cuda.is_available() else "; torch reference on CPU)"))
+                  + (")" if cuda else "; torch reference on CPU)"))
         elif has_gemm:
             print("  experts: DeepGemmExperts / BatchedDeepGemmExperts (TritonExperts for shapes "
                   f"whose I or K is not a multiple of {SCALE_BLOCK})")
@@ -277,7 +299,20 @@ def _run_layer(args: argparse.Namespace, rank: int, world_size: int, device) -> 
             "median_ms": median,
             "peak": peak, "prepare_finalize": type(kernel.prepare_finalize).__name__,
             "experts": type(kernel.experts).__name__, "all2all": _demo_all2all(args, world_size),
-            "finite": bool(torch.isfinite(out).all())}
+            "ran": _what_ran(kernel.experts, device), "finite": bool(torch.isfinite(out).all())}
+
+
+def _what_ran(experts, device) -> str:
+    """The ops that computed the demo's layer, as printed: the experts class alone does not say
+    it (CPU tensors take the torch reference path of every op)."""
+    from vllm_moe_fixes.fused_moe.batched_experts import BatchedDeepGemmExperts
+    from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts
+
+    if device.type != "cuda":
+        return "the torch reference of every op (CPU tensors; CUDA tensors run the Triton kernels)"
+    gemms = "DeepGEMM's" if isinstance(experts, (DeepGemmExperts, BatchedDeepGemmExperts)) \
+        else "Triton"
+    return f"the Triton kernels, with {gemms} grouped FP8 GEMMs"
 
 
 def _demo_ep_group(world_size: int):
@@ -322,6 +357,10 @@ def _apply_demo_model(args: argparse.Namespace) -> None:
     DeepSeek's sigmoid / grouped routing); the layer keeps --hidden and --intermediate."""
     args.routing = None
     if args.model is None:
+        if args.experts is None:
+            args.experts, args.experts_from = DEMO_EXPERTS, "the default of --experts"
+        else:
+            args.experts_from = "from --experts"
         return
     from vllm_moe_fixes.config import load_model_config
     try:
@@ -329,6 +368,7 @@ def _apply_demo_model(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise UsageError(f"--model: {e}") from None
     args.routing, args.experts, args.topk = cfg, cfg.num_experts, cfg.top_k
+    args.experts_from = f"from --model {args.model}"
 
 
 def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
@@ -351,10 +391,10 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
               (args.intermediate % SCALE_BLOCK == 0,
                f"--intermediate must be a multiple of {SCALE_BLOCK}, got {args.intermediate}"),
               (args.experts % args.world_size == 0,
-               f"--experts ({args.experts}) must be a multiple of --world-size "
-               f"({args.world_size})"),
+               f"E={args.experts} experts ({args.experts_from}) must be a multiple of "
+               f"--world-size ({args.world_size})"),
               (args.topk <= args.experts,
-               f"--topk must be <= --experts={args.experts}, got {args.topk}")]
+               f"--topk must be <= E={args.experts} ({args.experts_from}), got {args.topk}")]
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
@@ -390,8 +430,7 @@ def _validate_demo(args: argparse.Namespace, use_cuda: bool) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import torch
-
+    torch = _import_torch("demo")
     n = args.world_size
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= n and not args.cpu
     _apply_demo_model(args)
@@ -419,6 +458,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 1
     r0 = results[0]
     print(f"  path: {r0['prepare_finalize']} + {r0['experts']}, all-to-all: {r0['all2all']}")
+    print(f"  ran: {r0['ran']}")
     worst = max(results, key=lambda r: r["diff"])
     ok = all(r["diff"] < DEMO_TOLERANCE and r["finite"] for r in results)
     for r in results:
@@ -469,7 +509,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bench_dir = _benchmarks_dir(args.dir)
     failed = []
     if not args.plot_only:
-        import torch
+        torch = _import_torch("bench")
         if not torch.cuda.is_available():
             raise UsageError("bench needs a CUDA GPU: the benchmarks time the Triton kernels on "
                              "the device (use --plot-only to draw plots from existing results)")
@@ -539,7 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"low-latency hidden sizes: {', '.join(map(str, LL_SUPPORTED_HIDDEN))})")
     d.add_argument("--intermediate", type=int_at_least(SCALE_BLOCK), default=256,
                    help=f"I, a multiple of {SCALE_BLOCK}")
-    d.add_argument("--experts", type=int_at_least(1), default=16, help="E (global)")
+    d.add_argument("--experts", type=int_at_least(1), default=None,
+                   help=f"E (global; default {DEMO_EXPERTS})")
     d.add_argument("--topk", type=int_at_least(1), default=4, help="k")
     d.add_argument("--model", default=None, help="route as this preset (or JSON model file) "
                    "does: its experts, top-k and router (DeepSeek presets: grouped_topk); "
