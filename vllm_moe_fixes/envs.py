@@ -108,8 +108,9 @@ REGISTRY: dict[str, EnvVar] = {
                "(bounds workspace memory whatever the routing)",
                "integer > 0"),
         EnvVar("VLLM_MOE_CHECK_IDS", _parse_bool, False,
-               "check topk_ids / expert_map ranges of CUDA inputs at the layer's edge (one host "
-               "sync per call; CPU inputs are always checked)",
+               "check topk_ids / expert_map ranges of CUDA inputs at the layer's edge, and that "
+               "grouped_topk's correction bias is finite (one host sync per call; CPU inputs are "
+               "always checked)",
                "0, 1, true, false"),
         EnvVar("VLLM_MOE_FIXES", _parse_bool, False,
                "vLLM plugin: vLLM's block-FP8 FusedMoE layers run this library's kernels "
