@@ -105,6 +105,14 @@ def test_cpu_demo_prints_what_ran(capsys):
     assert "ran: the torch reference of every op (CPU tensors;" in out, out
 
 
+@pytest.mark.gpu
+def test_gpu_demo_prints_what_ran(capsys):
+    assert main(["demo", "--reps", "0", "--tokens", "4", "--hidden", "256", "--experts", "4",
+                 "--topk", "2", "--intermediate", "128"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"ran: the Triton kernels, with (Triton|DeepGEMM's) grouped FP8 GEMMs", out)
+
+
 # ------------------------------------------------------------------ model files
 def test_plan_with_a_model_file_that_is_not_utf8_names_the_file(tmp_path, capsys):
     path = tmp_path / "latin1.json"
