@@ -163,8 +163,8 @@ def test_experts_declare_the_bound_of_the_environment(monkeypatch):
 # ------------------------------------------------------------------------------------ the bits
 @pytest.mark.parametrize("M, bound, E_l, k, with_map", [
     (96, 16, 2, 2, False),   # 6 passes of 16 tokens
-    (100, 16, 4, 3, True),   # 7 passes, the last of 4 tokens
-    (37, 36, 1, 1, False),   # 2 passes, the last of 1 token
+    (112, 16, 4, 3, True),   # 7 passes, non-local experts
+    (48, 36, 1, 1, False),   # 2 passes, the last of 12 tokens
 ])
 def test_passes_give_the_bits_of_one_pass_torch_path(M, bound, E_l, k, with_map, monkeypatch):
     """Zero ids: every local expert gets the pass's tokens (at least 12 rows per expert in each
