@@ -10,6 +10,7 @@ DEFAULTS = {
     "VLLM_DEEPEP_BUFFER_SIZE_MB": 1024,
     "VLLM_FUSED_MOE_CHUNK_SIZE": 8192,
     "VLLM_MOE_CHECK_IDS": False,
+    "VLLM_MOE_CHECK_FINITE": False,
     "VLLM_MOE_FIXES": False,
 }
 
@@ -69,7 +70,7 @@ def test_positive_ints(monkeypatch, name, raw):
 
 BAD_VALUES = (
     [(name, raw) for name in ("VLLM_USE_DEEP_GEMM", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS",
-                              "VLLM_MOE_CHECK_IDS")
+                              "VLLM_MOE_CHECK_IDS", "VLLM_MOE_CHECK_FINITE")
      for raw in ("2", "yes", "on", "-1", "tru")]
     + [(name, raw) for name in ("VLLM_MOE_DP_CHUNK_SIZE", "VLLM_DEEPEP_BUFFER_SIZE_MB",
                                 "VLLM_FUSED_MOE_CHUNK_SIZE")
@@ -89,6 +90,7 @@ def test_bad_value_names_variable_value_and_allowed(monkeypatch, name, raw):
     assert {"VLLM_USE_DEEP_GEMM": "true, false", "VLLM_RANDOMIZE_DP_DUMMY_INPUTS": "true, false",
             "VLLM_MOE_DP_CHUNK_SIZE": "integer > 0", "VLLM_DEEPEP_BUFFER_SIZE_MB": "integer > 0",
             "VLLM_FUSED_MOE_CHUNK_SIZE": "integer > 0", "VLLM_MOE_CHECK_IDS": "true, false",
+            "VLLM_MOE_CHECK_FINITE": "true, false",
             "VLLM_ALL2ALL_BACKEND": "naive, deepep_high_throughput, deepep_low_latency"}[name] in message
 
 

@@ -108,7 +108,7 @@ def test_default_num_chunks():
             return 2
 
     assert OneRank().num_chunks(10, 4, None) == 3 and OneRank().num_chunks(0, 4, None) == 0
-    assert OneRank().num_chunks(10, 4, 17) == 5
+    assert OneRank().num_chunks(10, 4, 17) == 3  # one rank: its own tokens (the maximum unread)
     assert TwoRanks().num_chunks(10, 4, None) == 1 and TwoRanks().num_chunks(3, 4, 9) == 3
 
 

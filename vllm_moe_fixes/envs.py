@@ -112,6 +112,11 @@ REGISTRY: dict[str, EnvVar] = {
                "grouped_topk's correction bias is finite (one host sync per call; CPU inputs are "
                "always checked)",
                "0, 1, true, false"),
+        EnvVar("VLLM_MOE_CHECK_FINITE", _parse_bool, False,
+               "refuse NaN / inf in hidden_states, topk_weights, w1_scale, w2_scale at the "
+               "layer's edge (one host sync per call on CUDA; unchecked they come out finite or "
+               "reach the output, see the layer's docstring)",
+               "0, 1, true, false"),
         EnvVar("VLLM_MOE_FIXES", _parse_bool, False,
                "vLLM plugin: vLLM's block-FP8 FusedMoE layers run this library's kernels "
                "(vllm_moe_fixes.integrations.vllm)",

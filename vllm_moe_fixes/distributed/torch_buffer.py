@@ -493,13 +493,16 @@ class TorchAll2AllBuffer:
     def _ll_workspace(self, n: int, k: int, h: int, local_num_experts: int, use_fp8: bool,
                       device: torch.device) -> ll.LLWorkspace:
         """The workspace of this dispatch: two per size, taken in turn (as DeepEP's two
-        low-latency buffers), so a dispatch's results live until the dispatch after next."""
+        low-latency buffers), so a dispatch's results live until the dispatch after next. Made
+        outside torch.inference_mode even when the first dispatch runs inside it (a tensor made
+        there cannot be written by a later dispatch outside it)."""
         key = (n, k, h, local_num_experts, use_fp8, device)
         pair = self._ll_workspaces.get(key)
         if pair is None:
-            pair = self._ll_workspaces[key] = [
-                ll.LLWorkspace(n, self.group_size, k, h, local_num_experts, use_fp8, device)
-                for _ in range(2)]
+            with torch.inference_mode(False):
+                pair = self._ll_workspaces[key] = [
+                    ll.LLWorkspace(n, self.group_size, k, h, local_num_experts, use_fp8, device)
+                    for _ in range(2)]
         pair.reverse()
         return pair[0]
 
@@ -525,7 +528,7 @@ class TorchAll2AllBuffer:
 
     def _check_same_n(self, n: int, device: torch.device) -> None:
         """Every rank must pass the same N (the message size): gathered and compared."""
-        mine = torch.tensor([n], dtype=torch.int64, device=device)
+        mine = torch.full((1,), n, dtype=torch.int64, device=device)  # no host-to-device copy
         got = self._all_gather(mine).view(-1).tolist()
         if len(set(got)) > 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: {got}")

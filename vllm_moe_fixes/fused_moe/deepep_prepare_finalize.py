@@ -16,7 +16,10 @@ per-expert valid-row counts; the batched experts compute those rows; ``low_laten
 applies the weights, reduces and writes the caller's output.
 
 Chunks: every dispatch and combine is a collective, so every rank of the group runs the same
-number of passes (``num_chunks``), a rank with fewer tokens running empty ones (M = 0).
+number of passes (``num_chunks``), a rank with fewer tokens running empty ones (M = 0). A group of
+one rank agrees nothing (no collective: its passes are its own). Under CUDA graph capture nothing
+is read on the host: high-throughput mode is refused, and low-latency mode without
+max_tokens_across_ranks runs one pass (``num_chunks``).
 
 One object serves one layer pass at a time: prepare keeps the dispatch handle for finalize.
 """
@@ -43,14 +46,30 @@ def _weighted_input(a1: torch.Tensor, topk_weights: torch.Tensor, on_input: bool
     return a1 * topk_weights.to(a1.dtype) if on_input else a1
 
 
-def group_max_tokens(group: dist.ProcessGroup | None, num_tokens: int) -> int:
+def group_max_tokens(group: dist.ProcessGroup | None, num_tokens: int,
+                     chunk_size: int | None = None) -> int:
     """The largest ``num_tokens`` over the ranks of ``group``: one all-reduce (MAX), read on the
-    host (a device synchronisation on NCCL)."""
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    count = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    run_collective(dist.all_reduce, count, op=dist.ReduceOp.MAX, group=group)
-    return int(count.item())
+    host (a device synchronisation on NCCL; the values go to the device by an asynchronous copy
+    from pinned memory, no pageable copy).
+
+    chunk_size: this rank's tokens per pass, agreed in the same all-reduce; ranks that differ all
+    raise a ValueError naming VLLM_FUSED_MOE_CHUNK_SIZE and both values (their pass counts
+    would differ, and their dispatches fall out of step until the group times out)."""
+    values = [num_tokens] if chunk_size is None else [num_tokens, chunk_size, -chunk_size]
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+        counts = torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device,
+                                                                             non_blocking=True)
+    else:
+        counts = torch.tensor(values, dtype=torch.int64)
+    run_collective(dist.all_reduce, counts, op=dist.ReduceOp.MAX, group=group)
+    got = counts.tolist()
+    if chunk_size is not None and got[1] != -got[2]:
+        raise ValueError(
+            f"VLLM_FUSED_MOE_CHUNK_SIZE differs across the ranks: passes of {-got[2]} tokens on "
+            f"some and {got[1]} on others (this rank: {chunk_size}; a low-latency pass is also "
+            "capped by max_tokens_per_rank); set it to one value on every rank")
+    return got[0]
 
 
 class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
@@ -68,19 +87,44 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
         self.buffer = buffer
         self._num_dispatchers = num_dispatchers
         self._pending = None  # what finalize needs from the last prepare
+        self._agreed_chunk_sizes: set[int] = set()  # checked equal on every rank
 
     def num_dispatchers(self) -> int:
         return self._num_dispatchers
 
-    def num_chunks(self, num_tokens: int, chunk_size: int,
-                   max_tokens_across_ranks: int | None) -> int:
-        """cdiv(largest token count of the group's ranks, chunk_size), the same on every rank.
+    def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None,
+                   *, capturing: bool = False) -> int:
+        """The same number of passes on every rank of the group.
 
-        Without max_tokens_across_ranks, one all-reduce (MAX) on the buffer's group finds it: a
-        host synchronisation, so a CUDA graph capture must pass it."""
+        One rank: cdiv(num_tokens, chunk_size), no collective (max_tokens_across_ranks is not
+        read). Several: cdiv(the group's largest token count, chunk_size), every rank's
+        chunk_size checked equal (group_max_tokens) on the buffer's group:
+        - eager, without max_tokens_across_ranks: one all-reduce finds the count and checks the
+          chunk size (a host synchronisation);
+        - with it: the count needs no collective, and the chunk size is checked by one
+          all-reduce at the first eager call of each value (every rank's first call of a value
+          is the same call);
+        - captured (capturing), without it: nothing can be agreed, so the call is one pass on
+          every rank: ValueError naming max_tokens_across_ranks when num_tokens > chunk_size.
+        """
+        if self._num_dispatchers == 1:
+            return -(-num_tokens // chunk_size)
+        group = getattr(self.buffer, "group", None)
         if max_tokens_across_ranks is None:
-            group = getattr(self.buffer, "group", None)
-            max_tokens_across_ranks = group_max_tokens(group, num_tokens)
+            if capturing:
+                if num_tokens > chunk_size:
+                    raise ValueError(
+                        f"max_tokens_across_ranks: a call captured in a CUDA graph without it "
+                        f"runs one pass of at most {chunk_size} tokens on every rank "
+                        "(VLLM_FUSED_MOE_CHUNK_SIZE, capped by max_tokens_per_rank; no "
+                        f"collective can agree on more), got M={num_tokens}; pass the largest M "
+                        "of the group's ranks as max_tokens_across_ranks, or capture fewer tokens")
+                return 1
+            max_tokens_across_ranks = group_max_tokens(group, num_tokens, chunk_size)
+            self._agreed_chunk_sizes.add(chunk_size)
+        elif chunk_size not in self._agreed_chunk_sizes and not capturing:
+            group_max_tokens(group, 0, chunk_size)
+            self._agreed_chunk_sizes.add(chunk_size)
         return -(-max_tokens_across_ranks // chunk_size)
 
     def _take_pending(self):
@@ -113,6 +157,12 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
     activation_format = ActivationFormat.STANDARD
     _needs = ("get_dispatch_layout", "dispatch", "combine")
+
+    def check_capturable(self) -> None:
+        raise ValueError("DeepEPHTPrepareAndFinalize cannot run under CUDA graph capture: its "
+                         "dispatch reads the receive counts on the host. Capture the layer in "
+                         "low-latency mode (DeepEPLLPrepareAndFinalize, as engines run decode), "
+                         "or run this one eagerly, outside the graph")
 
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int) -> None:
         super().__init__(buffer, num_dispatchers)
@@ -210,7 +260,9 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     """DeepEP low-latency dispatch/combine; BATCHED activation format [E_l, R*N, K].
 
     Neither DeepEP's nor TorchAll2AllBuffer's low-latency calls read the device on the host, so a
-    layer pass can be captured in a CUDA graph (given max_tokens_across_ranks, see num_chunks).
+    layer call can be captured in a CUDA graph: with one rank as it is; with several, as one pass
+    (M <= min(VLLM_FUSED_MOE_CHUNK_SIZE, max_tokens_per_rank) on every rank) or, given
+    max_tokens_across_ranks, in its passes (num_chunks).
 
     Arguments:
         buffer: a low-latency ``deep_ep.Buffer`` or ``TorchAll2AllBuffer(low_latency_mode=True)``

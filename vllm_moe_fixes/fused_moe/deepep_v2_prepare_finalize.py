@@ -27,8 +27,9 @@ Host synchronisation: ``do_cpu_sync=True`` (V2's default) waits for the receive 
 exactly M' rows. ``do_cpu_sync=False`` reads nothing on the host: M' = R*N rows, of which the
 first ``psum_num_recv_tokens_per_scaleup_rank[-1]`` are valid; the rows past them get id -1
 here (a comparison on the device), so the experts skip them and write zeros there, which
-combine does not read. With DeepEP V2 that path can be captured in a CUDA graph (given
-max_tokens_across_ranks, see ``num_chunks``); TorchElasticBuffer still reads the counts.
+combine does not read. With DeepEP V2 that path can be captured in a CUDA graph (as one pass,
+or given max_tokens_across_ranks in its passes, see ``num_chunks``); TorchElasticBuffer still reads
+the counts. A capture with do_cpu_sync=True is refused before anything runs (check_capturable).
 """
 
 from __future__ import annotations
@@ -88,6 +89,13 @@ class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
     def max_num_tokens_per_rank(self) -> int:
         return self.max_tokens_per_rank_
+
+    def check_capturable(self) -> None:
+        if self.do_cpu_sync:
+            raise ValueError("DeepEPV2PrepareAndFinalize(do_cpu_sync=True) cannot run under CUDA "
+                             "graph capture: its dispatch waits for the receive counts on the "
+                             "host. Capture it with do_cpu_sync=False (make_moe_kernel's "
+                             "low_latency=True), or run it eagerly, outside the graph")
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:

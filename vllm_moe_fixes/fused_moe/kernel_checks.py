@@ -141,3 +141,17 @@ def check_one_device(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expe
         tensors.append(expert_map)
     devices = {t.device for t in tensors}
     raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_finite(**tensors: torch.Tensor) -> None:
+    """ValueError naming the first NaN or +-inf entry of the named tensors (the layer's checked
+    mode, VLLM_MOE_CHECK_FINITE=1): one host read of the tensors' values, a synchronisation on
+    CUDA."""
+    finite = [torch.isfinite(t) for t in tensors.values()]
+    if bool(torch.stack([f.all() for f in finite]).all()):
+        return
+    for (name, t), ok in zip(tensors.items(), finite):
+        if not bool(ok.all()):
+            where = tuple(int(i) for i in (~ok).nonzero()[0])
+            raise ValueError(f"{name} must be finite (VLLM_MOE_CHECK_FINITE=1); "
+                             f"{name}{list(where)} = {float(t[where])}")

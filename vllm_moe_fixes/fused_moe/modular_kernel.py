@@ -28,15 +28,22 @@ from __future__ import annotations
 import enum
 import inspect
 import math
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from vllm_moe_fixes import envs
-from vllm_moe_fixes.fused_moe.kernel_checks import check_layer_call
+from vllm_moe_fixes.fused_moe.kernel_checks import check_finite, check_layer_call
 from vllm_moe_fixes.fused_moe.workspaces import Workspaces
 from vllm_moe_fixes.sizes import expected_rows_per_expert
+
+
+def stream_is_capturing() -> bool:
+    """Whether a CUDA graph capture is under way on the current stream (False on a torch built
+    without CUDA, whose torch.cuda.is_current_stream_capturing cannot be called)."""
+    return torch.backends.cuda.is_built() and torch.cuda.is_current_stream_capturing()
 
 
 class ActivationFormat(enum.Enum):
@@ -114,21 +121,27 @@ class PrepareAndFinalize(ABC):
         """Ranks that send tokens to this one."""
         return 1
 
-    def num_chunks(self, num_tokens: int, chunk_size: int,
-                   max_tokens_across_ranks: int | None) -> int:
+    def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None,
+                   *, capturing: bool = False) -> int:
         """Passes of the experts for a call of num_tokens tokens, at most chunk_size per pass.
 
         Every rank of an expert-parallel group must return the same number (each pass is one
-        dispatch and one combine); a rank with fewer tokens runs empty passes. Default:
-        cdiv(max_tokens_across_ranks, chunk_size) when the caller gives the group's maximum;
-        else cdiv(num_tokens, chunk_size) alone (one rank), and one pass with expert parallelism
-        (no count is agreed without a collective: an expert-parallel subclass overrides this).
+        dispatch and one combine); a rank with fewer tokens runs empty passes. capturing: a CUDA
+        graph capture is under way (nothing may be read on the host). Default: one rank
+        cdiv(num_tokens, chunk_size), whatever max_tokens_across_ranks says (there is nobody to
+        keep in step with); several, cdiv(max_tokens_across_ranks, chunk_size) when the caller
+        gives the group's maximum, else one pass (no count is agreed without a collective: an
+        expert-parallel subclass overrides this).
         """
-        if max_tokens_across_ranks is not None:
-            return -(-max_tokens_across_ranks // chunk_size)
         if self.num_dispatchers() == 1:
             return -(-num_tokens // chunk_size)
+        if max_tokens_across_ranks is not None:
+            return -(-max_tokens_across_ranks // chunk_size)
         return 1
+
+    def check_capturable(self) -> None:
+        """Raise ValueError when a pass cannot be captured in a CUDA graph (the kernel calls this
+        before anything of a captured call runs). Default: it can."""
 
 
 class Experts(ABC):
@@ -238,7 +251,8 @@ class FusedMoEModularKernel:
                 of the experts' output.
             max_tokens_across_ranks: with expert parallelism, the largest M of the group's ranks
                 for this call, if the caller knows it (then the number of chunks is agreed
-                without a collective); None otherwise.
+                without a collective); None otherwise. Not read on one rank (no other rank's
+                passes to match: the call makes its own cdiv(M, chunk) passes).
 
         Returns:
             bfloat16 [M, K]: sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(hidden_states),
@@ -249,20 +263,69 @@ class FusedMoEModularKernel:
         check reads the values (a host synchronisation per call, which also cannot be captured
         in a CUDA graph). Unchecked, an out-of-range id counts as non-local on the one-rank path.
 
+        Non-finite inputs follow vLLM's quant recipe, which requantises activations to FP8 before
+        each GEMM (a NaN element becomes -448 and takes no part in its group's scale; a group
+        holding +-inf gets scale inf): a NaN in hidden_states or w1_scale comes out as finite
+        values; +-inf there, and NaN or +-inf in w2_scale or topk_weights, reaches the output of
+        the tokens that use that entry. With
+        VLLM_MOE_CHECK_FINITE=1, non-finite hidden_states, topk_weights, w1_scale or w2_scale
+        raise ValueError naming the first such entry (one host synchronisation per call on
+        CUDA; the FP8 weights are not read).
+
+        No autograd: the layer runs under torch.no_grad (its output never requires grad), and
+        calls inside and outside torch.inference_mode share the same workspaces.
+
+        Under CUDA graph capture (torch.cuda.is_current_stream_capturing()) nothing is read on
+        the host: the checked modes (VLLM_MOE_CHECK_IDS, VLLM_MOE_CHECK_FINITE) and
+        prepare/finalizes that read counts (DeepEP high-throughput) are refused with ValueError
+        before anything runs; with expert parallelism and without max_tokens_across_ranks the
+        call is one pass, so M must be at most min(VLLM_FUSED_MOE_CHUNK_SIZE,
+        max_tokens_per_rank) on every rank (ValueError naming max_tokens_across_ranks otherwise).
+
         Tokens are processed in chunks of at most VLLM_FUSED_MOE_CHUNK_SIZE (and at most the
-        prepare/finalize's max_num_tokens_per_rank), reusing the same workspaces; every token
-        goes through the same arithmetic as in one pass (all steps work row by row).
+        prepare/finalize's max_num_tokens_per_rank), reusing the same workspaces. A token's
+        output does not depend on the chunking on CPU (bit for bit: every step works row by row
+        and the GEMM references sum each K block exactly). On CUDA the Triton experts run one
+        tile configuration for every row count, which should give the same bits (a GPU test
+        checks it; not yet run); DeepGEMM chooses its tiles by M, so there it is not promised.
         """
+        capturing = stream_is_capturing()
+        if capturing:
+            self._check_capturable()
         check_layer_call(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
                          global_num_experts, expert_map, activation,
                          apply_router_weight_on_input, max_tokens_across_ranks)
+        if envs.VLLM_MOE_CHECK_FINITE:
+            check_finite(hidden_states=hidden_states, topk_weights=topk_weights,
+                         w1_scale=w1_scale, w2_scale=w2_scale)
+        args = (hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
+                global_num_experts, expert_map, activation, apply_router_weight_on_input,
+                max_tokens_across_ranks, capturing)
+        if torch.is_grad_enabled():  # an inference layer: nothing for autograd to record
+            with torch.no_grad():
+                return self._run(*args)
+        return self._run(*args)
+
+    def _check_capturable(self) -> None:
+        """ValueError unless a pass can be captured in a CUDA graph (before anything runs)."""
+        for name in ("VLLM_MOE_CHECK_IDS", "VLLM_MOE_CHECK_FINITE"):
+            if getattr(envs, name):
+                raise ValueError(f"{name}={os.environ[name]} reads the layer's inputs on the "
+                                 "host, which a CUDA graph capture cannot do: unset it for the "
+                                 "capture, or run the layer eagerly")
+        self.prepare_finalize.check_capturable()
+
+    def _run(self, hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
+             global_num_experts, expert_map, activation, apply_router_weight_on_input,
+             max_tokens_across_ranks, capturing) -> torch.Tensor:
+        """The validated call: its chunks, each prepare -> experts -> finalize."""
         M = hidden_states.shape[0]
         pf = self.prepare_finalize
         chunk = envs.VLLM_FUSED_MOE_CHUNK_SIZE
         capacity = pf.max_num_tokens_per_rank()
         if capacity is not None:
             chunk = min(chunk, capacity)
-        num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks)
+        num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks, capturing=capturing)
         step = max(chunk, -(-M // num_chunks)) if num_chunks else chunk
         output = torch.empty_like(hidden_states)
         if num_chunks == 1:  # one pass takes the whole tensors (no slice views to build)

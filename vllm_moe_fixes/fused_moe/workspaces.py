@@ -33,7 +33,8 @@ class Workspaces:
         if buf is None or buf.numel() < numel or buf.device != device or buf.dtype != dtype:
             self._views.clear()  # drop every view of the old buffer with it
             setattr(self, name, None)  # free the old buffer before allocating the larger one
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            with torch.inference_mode(False):  # see views_cached_on
+                buf = torch.empty(numel, dtype=dtype, device=device)
             setattr(self, name, buf)
         return buf
 
@@ -55,10 +56,15 @@ class Workspaces:
 def views_cached_on(ws13: torch.Tensor, ws2: torch.Tensor, make, *sizes):
     """``make(ws13, ws2, *sizes)``, cached in a dict attached to ws2 itself: the kernel hands the
     same workspace view objects to every call of a shape until a buffer grows, so an experts'
-    views built on them live exactly as long as those (never past a workspace that grew)."""
+    views built on them live exactly as long as those (never past a workspace that grew).
+
+    The buffers and these views are made outside torch.inference_mode even when the first call
+    runs inside it: a tensor made there (a dtype view too) cannot be written outside it, so one
+    call under inference mode would break every later call without it."""
     cache = ws2.__dict__.setdefault("_views_of", {})
     key = (make, ws13.data_ptr(), ws2.data_ptr(), *sizes)
     views = cache.get(key)
     if views is None:
-        views = cache[key] = make(ws13, ws2, *sizes)
+        with torch.inference_mode(False):
+            views = cache[key] = make(ws13, ws2, *sizes)
     return views
