@@ -267,20 +267,20 @@ class FusedMoEModularKernel:
         each GEMM (a NaN element becomes -448 and takes no part in its group's scale; a group
         holding +-inf gets scale inf): a NaN in hidden_states or w1_scale comes out as finite
         values; +-inf there, and NaN or +-inf in w2_scale or topk_weights, reaches the output of
-        the tokens that use that entry. With
-        VLLM_MOE_CHECK_FINITE=1, non-finite hidden_states, topk_weights, w1_scale or w2_scale
-        raise ValueError naming the first such entry (one host synchronisation per call on
-        CUDA; the FP8 weights are not read).
+        the tokens that use that entry. With VLLM_MOE_CHECK_FINITE=1, non-finite
+        hidden_states, topk_weights, w1_scale or w2_scale raise ValueError naming the first such
+        entry (one host synchronisation per call on CUDA; the FP8 weights are not read).
 
         No autograd: the layer runs under torch.no_grad (its output never requires grad), and
         calls inside and outside torch.inference_mode share the same workspaces.
 
         Under CUDA graph capture (torch.cuda.is_current_stream_capturing()) nothing is read on
         the host: the checked modes (VLLM_MOE_CHECK_IDS, VLLM_MOE_CHECK_FINITE) and
-        prepare/finalizes that read counts (DeepEP high-throughput) are refused with ValueError
-        before anything runs; with expert parallelism and without max_tokens_across_ranks the
-        call is one pass, so M must be at most min(VLLM_FUSED_MOE_CHUNK_SIZE,
-        max_tokens_per_rank) on every rank (ValueError naming max_tokens_across_ranks otherwise).
+        prepare/finalizes that read counts (DeepEP high-throughput, DeepEP V2 with
+        do_cpu_sync=True) are refused with ValueError before anything runs; with expert
+        parallelism and without max_tokens_across_ranks the call is one pass, so M must be at
+        most min(VLLM_FUSED_MOE_CHUNK_SIZE, max_tokens_per_rank) on every rank (ValueError
+        naming max_tokens_across_ranks otherwise).
 
         Tokens are processed in chunks of at most VLLM_FUSED_MOE_CHUNK_SIZE (and at most the
         prepare/finalize's max_num_tokens_per_rank), reusing the same workspaces. A token's
