@@ -24,11 +24,10 @@ and skewed ids one rank can receive every token of the group. Each pass runs the
 its tokens (a token's k slots stay in one pass) with one pass's A, G', H and Y, after the [M, K]
 output in ws13, which is then no longer shared with A and G'. Every kernel computes each slot's
 row and each token's sum on its own (no GEMM tile spans two experts, the per-row quantisations
-read their row only, the sum runs over a token's slots in slot order), so the passes give the bits
-of one pass (on CPU the torch reference GEMM can round a row apart: MKL's float32 matmul of fewer
-than 12 rows takes another path). M comes from topk_ids' shape, which the dispatch already read
-on the host: no host synchronisation is added. When the received tokens fit in one pass, apply is
-the one pass it was.
+read their row only, the sum runs over a token's slots in slot order), and so does every torch
+reference on CPU, so the passes give the bits of one pass. M comes from topk_ids' shape, which
+the dispatch already read on the host: no host synchronisation is added. When the received tokens
+fit in one pass, apply is the one pass it was.
 
 The experts reduce (`reduces_output`): the un-permute reads each token's k rows of Y through the
 layout and sums them with the router weights, so finalize receives [M, K].
