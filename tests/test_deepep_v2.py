@@ -243,7 +243,8 @@ class _FakeElastic:
 
 @pytest.mark.parametrize("sync, rows", [(True, 3), (False, 8)])
 def test_prepare_masks_undefined_slots_and_rows(sync, rows):
-    pf = DeepEPV2PrepareAndFinalize(_FakeElastic(rows), num_dispatchers=1, rank_expert_offset=6,
+    # Rank 3 of 4 (E=8, E_l=2): its local ids 0, 1 are global 6, 7.
+    pf = DeepEPV2PrepareAndFinalize(_FakeElastic(rows), num_dispatchers=4, rank_expert_offset=6,
                                     do_cpu_sync=sync)
     a1 = torch.randn(2, 128).to(torch.bfloat16)
     prep = pf.prepare(a1, torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int32), 8, None, False)
@@ -270,3 +271,32 @@ def test_prepare_finalize_arguments(kwargs, match):
     with pytest.raises(ValueError, match="exceed max_tokens_per_rank=4"):
         pf.prepare(torch.zeros(5, 128, dtype=torch.bfloat16), torch.ones(5, 1),
                    torch.zeros(5, 1, dtype=torch.int64), 8, None, False)
+
+
+class _RankedFakeElastic(_FakeElastic):
+    """_FakeElastic as rank ``rank_idx`` of ``num_ranks`` (V2's attribute names)."""
+
+    def __init__(self, rank_idx, num_ranks):
+        super().__init__(3)
+        self.rank_idx, self.num_ranks = rank_idx, num_ranks
+
+
+@pytest.mark.parametrize("offset, num_dispatchers, expert_map_first, match", [
+    (0, 4, None, r"rank_expert_offset=0 does not match the buffer: this is rank 3"),
+    (3, 4, None, r"rank_expert_offset=3 does not match the buffer"),  # offset = rank
+    (6, 2, None, r"num_dispatchers=2 but the buffer's group has 4 ranks"),
+    (6, 4, 4, r"expert_map disagrees with rank_expert_offset=6"),
+])
+def test_mis_wired_rank_is_refused_before_the_dispatch(offset, num_dispatchers,
+                                                        expert_map_first, match):
+    """The V2 prepare checks its wiring as the high-throughput one does: a wrong offset or map
+    would hand the experts another rank's global ids and give wrong sums without an error."""
+    pf = DeepEPV2PrepareAndFinalize(_RankedFakeElastic(3, 4), num_dispatchers=num_dispatchers,
+                                    rank_expert_offset=offset)
+    expert_map = None
+    if expert_map_first is not None:
+        expert_map = torch.full((8,), -1, dtype=torch.int32)
+        expert_map[expert_map_first:expert_map_first + 2] = torch.arange(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        pf.prepare(torch.randn(2, 128).to(torch.bfloat16), torch.ones(2, 2),
+                   torch.zeros(2, 2, dtype=torch.int32), 8, expert_map, False)

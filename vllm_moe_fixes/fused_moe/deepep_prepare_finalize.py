@@ -41,7 +41,7 @@ from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, quant_batche
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 
 
-def _weighted_input(a1: torch.Tensor, topk_weights: torch.Tensor, on_input: bool) -> torch.Tensor:
+def weighted_input(a1: torch.Tensor, topk_weights: torch.Tensor, on_input: bool) -> torch.Tensor:
     """a1 * weight (k == 1) when the router weight goes on the input, else a1."""
     return a1 * topk_weights.to(a1.dtype) if on_input else a1
 
@@ -134,43 +134,16 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
         return pending
 
 
-class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
-    """DeepEP high-throughput (normal-mode) dispatch/combine; STANDARD activation format.
+class PlacedExpertsPrepareAndFinalize(_DeepEPPrepareAndFinalize):
+    """A DeepEP mode that hands the experts GLOBAL ids: the received local ids plus
+    rank_expert_offset, checked against the buffer's placement (see DeepEPHTPrepareAndFinalize)."""
 
-    The dispatch reads the receive counts on the host once per pass (DeepEP's does too).
-
-    Arguments:
-        buffer: a ``deep_ep.Buffer`` or ``TorchAll2AllBuffer`` over the expert-parallel group.
-        num_dispatchers: ranks in that group (R).
-        rank_expert_offset: global id of this rank's first expert (rank * E_l): added to the
-            received local ids so the experts see global ids (with the caller's expert_map).
-
-    The dispatch brings this rank global experts rank * E_l ... rank * E_l + E_l - 1 (DeepEP's
-    placement, E_l = num_experts / R), so prepare refuses with a ValueError a wiring that
-    disagrees with it: num_dispatchers other than the buffer's group size, rank_expert_offset
-    other than the buffer's rank * E_l (both where the buffer has ``rank`` and ``group_size``,
-    as deep_ep.Buffer and TorchAll2AllBuffer do; else an offset that is no multiple of E_l below
-    num_experts), or an expert_map other than global g -> g - rank_expert_offset on this rank's
-    experts and -1 elsewhere. The map is read once per map tensor and version (a host
-    synchronisation on CUDA, skipped while a CUDA graph is being captured).
-    """
-
-    activation_format = ActivationFormat.STANDARD
-    _needs = ("get_dispatch_layout", "dispatch", "combine")
-
-    def check_capturable(self) -> None:
-        raise ValueError("DeepEPHTPrepareAndFinalize cannot run under CUDA graph capture: its "
-                         "dispatch reads the receive counts on the host. Capture the layer in "
-                         "low-latency mode (DeepEPLLPrepareAndFinalize, as engines run decode), "
-                         "or run this one eagerly, outside the graph")
-
-    def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int) -> None:
+    def __init__(self, buffer, num_dispatchers: int, rank_expert_offset: int) -> None:
         super().__init__(buffer, num_dispatchers)
         if isinstance(rank_expert_offset, bool) or not isinstance(rank_expert_offset, int) \
                 or rank_expert_offset < 0:
             raise ValueError(f"rank_expert_offset={rank_expert_offset!r} must be an int >= 0")
         self.rank_expert_offset = rank_expert_offset
-        self.num_recv_tokens_per_expert: list[int] | None = None  # of the last prepare
         self._checked_map: tuple | None = None  # (expert_map, its version, E_l) found right
 
     def _check_wiring(self, num_experts: int, local_num_experts: int,
@@ -178,8 +151,10 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         """ValueError unless this rank's experts are where the dispatch sends tokens (class
         docstring). Host integers only, except the expert_map, read once per map."""
         offset, E_l, R = self.rank_expert_offset, local_num_experts, self._num_dispatchers
-        rank = getattr(self.buffer, "rank", None)
-        group_size = getattr(self.buffer, "group_size", None)
+        # deep_ep.Buffer and TorchAll2AllBuffer name them rank / group_size; DeepEP V2's
+        # ElasticBuffer and TorchElasticBuffer rank_idx / num_ranks.
+        rank = getattr(self.buffer, "rank", getattr(self.buffer, "rank_idx", None))
+        group_size = getattr(self.buffer, "group_size", getattr(self.buffer, "num_ranks", None))
         if isinstance(group_size, int) and group_size != R:
             raise ValueError(f"num_dispatchers={R} but the buffer's group has {group_size} ranks")
         if isinstance(rank, int):
@@ -214,6 +189,42 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
                 f"elsewhere; expert_map[{g}] = {got[g]}, not {want[g]}")
         self._checked_map = key
 
+
+class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
+    """DeepEP high-throughput (normal-mode) dispatch/combine; STANDARD activation format.
+
+    The dispatch reads the receive counts on the host once per pass (DeepEP's does too).
+
+    Arguments:
+        buffer: a ``deep_ep.Buffer`` or ``TorchAll2AllBuffer`` over the expert-parallel group.
+        num_dispatchers: ranks in that group (R).
+        rank_expert_offset: global id of this rank's first expert (rank * E_l): added to the
+            received local ids so the experts see global ids (with the caller's expert_map).
+
+    The dispatch brings this rank global experts rank * E_l ... rank * E_l + E_l - 1 (DeepEP's
+    placement, E_l = num_experts / R), so prepare refuses with a ValueError a wiring that
+    disagrees with it: num_dispatchers other than the buffer's group size, rank_expert_offset
+    other than the buffer's rank * E_l (both where the buffer has ``rank`` and ``group_size``,
+    as deep_ep.Buffer and TorchAll2AllBuffer do, or V2's ``rank_idx`` and ``num_ranks``; else an
+    offset that is no multiple of E_l below
+    num_experts), or an expert_map other than global g -> g - rank_expert_offset on this rank's
+    experts and -1 elsewhere. The map is read once per map tensor and version (a host
+    synchronisation on CUDA, skipped while a CUDA graph is being captured).
+    """
+
+    activation_format = ActivationFormat.STANDARD
+    _needs = ("get_dispatch_layout", "dispatch", "combine")
+
+    def check_capturable(self) -> None:
+        raise ValueError("DeepEPHTPrepareAndFinalize cannot run under CUDA graph capture: its "
+                         "dispatch reads the receive counts on the host. Capture the layer in "
+                         "low-latency mode (DeepEPLLPrepareAndFinalize, as engines run decode), "
+                         "or run this one eagerly, outside the graph")
+
+    def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int) -> None:
+        super().__init__(buffer, num_dispatchers, rank_expert_offset)
+        self.num_recv_tokens_per_expert: list[int] | None = None  # of the last prepare
+
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:
         """a1 bf16 [M, K] (M may be 0), topk_weights f32 [M, k], topk_ids int32/int64 [M, k]
@@ -226,7 +237,7 @@ class DeepEPHTPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         """
         local_num_experts = check_experts_per_rank(num_experts, self._num_dispatchers)
         self._check_wiring(num_experts, local_num_experts, expert_map)
-        a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input)
+        a1 = weighted_input(a1, topk_weights, apply_router_weight_on_input)
         a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
         ids = topk_ids.to(torch.int64).contiguous()  # DeepEP takes int64 ids
         per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
@@ -303,7 +314,7 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         n = self.max_tokens_per_rank_
         if a1.shape[0] > n:
             raise ValueError(f"{a1.shape[0]} tokens exceed max_tokens_per_rank={n}")
-        a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input).contiguous()
+        a1 = weighted_input(a1, topk_weights, apply_router_weight_on_input).contiguous()
         # DeepEP takes int64 ids; combine needs them too
         ids = topk_ids.to(torch.int64).contiguous()
         recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(

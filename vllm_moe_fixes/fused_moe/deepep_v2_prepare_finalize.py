@@ -38,8 +38,8 @@ import torch
 
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
-    _DeepEPPrepareAndFinalize,
-    _weighted_input,
+    PlacedExpertsPrepareAndFinalize,
+    weighted_input,
 )
 from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, PrepareResult
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
@@ -47,7 +47,7 @@ from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 
 
-class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
+class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
     """DeepEP V2 ``ElasticBuffer`` dispatch/combine; STANDARD activation format.
 
     Arguments:
@@ -70,10 +70,7 @@ class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int,
                  max_tokens_per_rank: int | None = None, do_cpu_sync: bool = True,
                  topk_idx_dtype: torch.dtype = torch.int64) -> None:
-        super().__init__(buffer, num_dispatchers)
-        if isinstance(rank_expert_offset, bool) or not isinstance(rank_expert_offset, int) \
-                or rank_expert_offset < 0:
-            raise ValueError(f"rank_expert_offset={rank_expert_offset!r} must be an int >= 0")
+        super().__init__(buffer, num_dispatchers, rank_expert_offset)
         if max_tokens_per_rank is None:
             max_tokens_per_rank = getattr(buffer, "num_max_tokens_per_rank", 0)
         check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
@@ -81,7 +78,6 @@ class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
             raise ValueError(f"do_cpu_sync={do_cpu_sync!r} must be a bool")
         if topk_idx_dtype not in (torch.int32, torch.int64):
             raise ValueError(f"topk_idx_dtype={topk_idx_dtype} must be torch.int32 or torch.int64")
-        self.rank_expert_offset = rank_expert_offset
         self.max_tokens_per_rank_ = max_tokens_per_rank
         self.do_cpu_sync = do_cpu_sync
         self.topk_idx_dtype = topk_idx_dtype
@@ -106,13 +102,15 @@ class DeepEPV2PrepareAndFinalize(_DeepEPPrepareAndFinalize):
         topk_ids [M', k] (topk_idx_dtype) GLOBAL ids of experts on this rank (-1 elsewhere and on
         rows past the valid ones) and topk_weights f32 [M', k] (0 at -1). With do_cpu_sync the
         aligned per-local-expert counts are kept in ``num_recv_tokens_per_expert`` (else []).
-        expert_map is not used: V2 places expert g on rank g // E_l.
+        V2 places expert g on rank g // E_l: rank_expert_offset and expert_map are checked
+        against that placement as DeepEPHTPrepareAndFinalize checks them.
         """
         n = self.max_tokens_per_rank_
         if a1.shape[0] > n:
             raise ValueError(f"{a1.shape[0]} tokens exceed max_tokens_per_rank={n}")
-        check_experts_per_rank(num_experts, self._num_dispatchers)
-        a1 = _weighted_input(a1, topk_weights, apply_router_weight_on_input)
+        local_num_experts = check_experts_per_rank(num_experts, self._num_dispatchers)
+        self._check_wiring(num_experts, local_num_experts, expert_map)
+        a1 = weighted_input(a1, topk_weights, apply_router_weight_on_input)
         a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
         ids = topk_ids.to(self.topk_idx_dtype).contiguous()
         (recv_q, recv_s), recv_ids, recv_w, handle, _ = self.buffer.dispatch(
