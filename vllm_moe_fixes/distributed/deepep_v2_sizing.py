@@ -167,12 +167,13 @@ def check_elastic_config(*, num_ranks: int, max_tokens_per_rank: int, hidden: in
     check_positive_int("num_ranks", num_ranks)
     if num_ranks > MAX_RANKS:
         raise ValueError(f"num_ranks={num_ranks}: DeepEP V2 takes at most {MAX_RANKS} ranks")
-    e_local = check_experts_per_rank(num_experts, num_ranks)
+    local_num_experts = check_experts_per_rank(num_experts, num_ranks)
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"num_experts={num_experts}: DeepEP V2 takes at most {MAX_EXPERTS}")
-    if e_local > MAX_EXPERTS_PER_RANK:
-        raise ValueError(f"num_experts / num_ranks = {num_experts} / {num_ranks} = {e_local} "
-                         f"local experts; DeepEP V2 takes at most {MAX_EXPERTS_PER_RANK} per rank")
+    if local_num_experts > MAX_EXPERTS_PER_RANK:
+        raise ValueError(f"num_experts / num_ranks = {num_experts} / {num_ranks} = "
+                         f"{local_num_experts} local experts; DeepEP V2 takes at most "
+                         f"{MAX_EXPERTS_PER_RANK} per rank")
     if hidden % (32 if use_fp8_dispatch else 16):
         raise ValueError(f"hidden={hidden}: DeepEP V2 needs rows of a multiple of 32 bytes "
                          f"(hidden % {32 if use_fp8_dispatch else 16} == 0 for "

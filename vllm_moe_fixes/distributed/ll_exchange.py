@@ -41,7 +41,7 @@ LL_AMAX_FLOOR = 1e-4
 _AMAX_FLOOR = tl.constexpr(LL_AMAX_FLOOR)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)
-_GROUP = tl.constexpr(SCALE_BLOCK)
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 # Byte alignment of a slab row (its int64 ids and float32 scales need 8 and 4).
 ROW_ALIGN = 16
 
@@ -85,7 +85,7 @@ def _pack_fp8_kernel(x_ptr, ids_ptr, slab_ids_ptr, slab_s_ptr, slab_q_ptr, num_t
     if is_token:
         groups = tl.program_id(1).to(tl.int64) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
         valid = groups < num_groups
-        cols = groups[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
+        cols = groups[:, None] * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)[None, :]
         x = tl.load(x_ptr + r * x_stride + cols, mask=valid[:, None], other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
         scale_inv = amax * _INV_FP8_MAX

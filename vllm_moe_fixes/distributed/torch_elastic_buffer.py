@@ -47,6 +47,7 @@ import torch.distributed as dist
 from vllm_moe_fixes._validate import check, check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed import deepep_v2_sizing as v2
 from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE
 
 # Id written into the rows past the valid prefix of a no-sync dispatch: far out of any range.
 _POISON_ID = 2**40
@@ -187,7 +188,7 @@ class TorchElasticBuffer:
             return self._cached_dispatch(x, x_data, topk_idx, topk_weights, num_experts,
                                          num_max_tokens_per_rank, expert_alignment, handle,
                                          do_cpu_sync, use_tma_aligned_col_major_sf)
-        n, e_local, alignment = self._check_dispatch(
+        n, local_num_experts, alignment = self._check_dispatch(
             x_data, x_scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
             num_experts, num_max_tokens_per_rank, expert_alignment)
         sync = True if do_cpu_sync is None else do_cpu_sync
@@ -201,7 +202,7 @@ class TorchElasticBuffer:
             topk_weights=weights, expert_alignment=alignment)
         valid = recv_idx.shape[0]
         if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += self._local_counts(recv_idx, e_local)
+            cumulative_local_expert_recv_stats += self._local_counts(recv_idx, local_num_experts)
         rows = valid if sync else self.num_ranks * n
         handle = TorchEPHandle(
             do_expand=False, num_experts=num_experts, expert_alignment=alignment,
@@ -298,7 +299,7 @@ class TorchElasticBuffer:
             return t
         out = torch.empty(rows, *t.shape[1:], dtype=t.dtype, device=t.device)
         out[:t.shape[0]] = t
-        if t.dtype == torch.float8_e4m3fn:
+        if t.dtype == FP8_DTYPE:
             out[t.shape[0]:].view(torch.uint8).fill_(0x7F)  # NaN
         else:
             out[t.shape[0]:] = fill
@@ -312,10 +313,11 @@ class TorchElasticBuffer:
         return folded.cumsum(0, dtype=torch.int32).to(device)
 
     @staticmethod
-    def _local_counts(recv_idx: torch.Tensor, e_local: int) -> torch.Tensor:
+    def _local_counts(recv_idx: torch.Tensor, local_num_experts: int) -> torch.Tensor:
         """int32 [E_l]: received selections per local expert (-1 slots dropped)."""
-        ids = torch.where(recv_idx >= 0, recv_idx, e_local).reshape(-1)
-        return torch.bincount(ids, minlength=e_local + 1)[:e_local].to(torch.int32)
+        ids = torch.where(recv_idx >= 0, recv_idx, local_num_experts).reshape(-1)
+        counts = torch.bincount(ids, minlength=local_num_experts + 1)[:local_num_experts]
+        return counts.to(torch.int32)
 
     def _topology(self) -> dict:
         return dict(scaleout=self.num_scaleout_ranks, scaleup=self.num_scaleup_ranks,
@@ -346,9 +348,9 @@ class TorchElasticBuffer:
                   f"topk_weights must be float32 {list(topk_idx.shape)} contiguous; got "
                   f"{getattr(topk_weights, 'dtype', None)} {getattr(topk_weights, 'shape', None)}")
         check(num_experts is not None, "num_experts is needed without a handle")
-        e_local = check_experts_per_rank(num_experts, self.num_ranks)
-        check(num_experts <= v2.MAX_EXPERTS and e_local <= v2.MAX_EXPERTS_PER_RANK,
-              f"num_experts={num_experts} ({e_local} per rank): DeepEP V2 takes at most "
+        local_num_experts = check_experts_per_rank(num_experts, self.num_ranks)
+        check(num_experts <= v2.MAX_EXPERTS and local_num_experts <= v2.MAX_EXPERTS_PER_RANK,
+              f"num_experts={num_experts} ({local_num_experts} per rank): DeepEP V2 takes at most "
               f"{v2.MAX_EXPERTS} experts and {v2.MAX_EXPERTS_PER_RANK} per rank")
         n = self.num_max_tokens_per_rank if n is None else n
         check_positive_int("num_max_tokens_per_rank", n)
@@ -357,10 +359,11 @@ class TorchElasticBuffer:
         check_positive_int("expert_alignment", alignment)
         if stats is not None:
             check(isinstance(stats, torch.Tensor) and stats.dtype == torch.int32
-                  and stats.shape == (e_local,), f"cumulative_local_expert_recv_stats must be "
-                  f"int32 [{e_local}]; got {getattr(stats, 'shape', type(stats))}")
+                  and stats.shape == (local_num_experts,),
+                  f"cumulative_local_expert_recv_stats must be int32 [{local_num_experts}]; got "
+                  f"{getattr(stats, 'shape', type(stats))}")
         elem, packs = x.element_size(), 0 if scales is None else scales.shape[1]
         self._check_bytes("dispatch", v2.dispatch_buffer_bytes(
             n, x.shape[1], elem_bytes=elem, num_sf_packs=packs, num_topk=k,
             **self._topology()))
-        return n, e_local, alignment
+        return n, local_num_experts, alignment
