@@ -284,7 +284,6 @@ class _RankedFakeElastic(_FakeElastic):
 @pytest.mark.parametrize("offset, num_dispatchers, expert_map_first, match", [
     (0, 4, None, r"rank_expert_offset=0 does not match the buffer: this is rank 3"),
     (3, 4, None, r"rank_expert_offset=3 does not match the buffer"),  # offset = rank
-    (6, 2, None, r"num_dispatchers=2 but the buffer's group has 4 ranks"),
     (6, 4, 4, r"expert_map disagrees with rank_expert_offset=6"),
 ])
 def test_mis_wired_rank_is_refused_before_the_dispatch(offset, num_dispatchers,
@@ -300,3 +299,9 @@ def test_mis_wired_rank_is_refused_before_the_dispatch(offset, num_dispatchers,
     with pytest.raises(ValueError, match=match):
         pf.prepare(torch.randn(2, 128).to(torch.bfloat16), torch.ones(2, 2),
                    torch.zeros(2, 2, dtype=torch.int32), 8, expert_map, False)
+
+
+def test_num_dispatchers_other_than_the_buffer_group_is_refused():
+    with pytest.raises(ValueError, match=r"num_dispatchers=2 but the buffer's group has 4 ranks"):
+        DeepEPV2PrepareAndFinalize(_RankedFakeElastic(3, 4), num_dispatchers=2,
+                                   rank_expert_offset=6)

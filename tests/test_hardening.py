@@ -104,11 +104,16 @@ def test_expert_map_of_another_rank_is_refused_even_with_the_right_offset():
 
 
 def test_num_dispatchers_must_match_the_buffer_group():
-    pf = DeepEPHTPrepareAndFinalize(_UnreachedBuffer(rank=0, group_size=2), num_dispatchers=4,
-                                    rank_expert_offset=0)
-    x, weights, ids = _prepare_args(8)
+    """Refused when built, in every DeepEP mode: a rank that counts itself alone would skip
+    the agreement its peers wait in."""
     with pytest.raises(ValueError, match="num_dispatchers=4.*2 ranks"):
-        pf.prepare(x, weights, ids, 8, _expert_map(8, 0, 2), False)
+        DeepEPHTPrepareAndFinalize(_UnreachedBuffer(rank=0, group_size=2), num_dispatchers=4,
+                                   rank_expert_offset=0)
+    buffer = _UnreachedBuffer(rank=0, group_size=2)
+    buffer.low_latency_mode = True
+    buffer.low_latency_dispatch = buffer.low_latency_combine = buffer._unreached
+    with pytest.raises(ValueError, match="num_dispatchers=1.*2 ranks"):
+        DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=1, max_tokens_per_rank=4)
 
 
 def test_expert_map_is_checked_once_per_map_and_again_after_an_in_place_change(monkeypatch):

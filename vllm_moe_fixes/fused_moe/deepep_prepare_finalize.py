@@ -72,6 +72,14 @@ def group_max_tokens(group: dist.ProcessGroup | None, num_tokens: int,
     return got[0]
 
 
+def buffer_rank_and_size(buffer) -> tuple:
+    """(this rank, the group's rank count) as the buffer states them, None where it does not:
+    deep_ep.Buffer and TorchAll2AllBuffer name them rank / group_size, DeepEP V2's ElasticBuffer
+    and TorchElasticBuffer rank_idx / num_ranks."""
+    return (getattr(buffer, "rank", getattr(buffer, "rank_idx", None)),
+            getattr(buffer, "group_size", getattr(buffer, "num_ranks", None)))
+
+
 class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
     """What both DeepEP modes share: the buffer, the rank count, chunks agreed across ranks and
     the dispatch state kept from prepare to finalize."""
@@ -84,6 +92,11 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
             raise ValueError(f"buffer must be a deep_ep.Buffer or TorchAll2AllBuffer (with "
                              f"{', '.join(self._needs)}); got {type(buffer).__name__}")
         check_positive_int("num_dispatchers", num_dispatchers)
+        group_size = buffer_rank_and_size(buffer)[1]
+        if isinstance(group_size, int) and group_size != num_dispatchers:
+            # A rank that counts itself alone skips the agreement its peers wait in: a hang.
+            raise ValueError(f"num_dispatchers={num_dispatchers} but the buffer's group has "
+                             f"{group_size} ranks")
         self.buffer = buffer
         self._num_dispatchers = num_dispatchers
         self._pending = None  # what finalize needs from the last prepare
@@ -151,12 +164,7 @@ class PlacedExpertsPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         """ValueError unless this rank's experts are where the dispatch sends tokens (class
         docstring). Host integers only, except the expert_map, read once per map."""
         offset, E_l, R = self.rank_expert_offset, local_num_experts, self._num_dispatchers
-        # deep_ep.Buffer and TorchAll2AllBuffer name them rank / group_size; DeepEP V2's
-        # ElasticBuffer and TorchElasticBuffer rank_idx / num_ranks.
-        rank = getattr(self.buffer, "rank", getattr(self.buffer, "rank_idx", None))
-        group_size = getattr(self.buffer, "group_size", getattr(self.buffer, "num_ranks", None))
-        if isinstance(group_size, int) and group_size != R:
-            raise ValueError(f"num_dispatchers={R} but the buffer's group has {group_size} ranks")
+        rank = buffer_rank_and_size(self.buffer)[0]
         if isinstance(rank, int):
             if offset != rank * E_l:
                 raise ValueError(
@@ -203,10 +211,8 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
 
     The dispatch brings this rank global experts rank * E_l ... rank * E_l + E_l - 1 (DeepEP's
     placement, E_l = num_experts / R), so prepare refuses with a ValueError a wiring that
-    disagrees with it: num_dispatchers other than the buffer's group size, rank_expert_offset
-    other than the buffer's rank * E_l (both where the buffer has ``rank`` and ``group_size``,
-    as deep_ep.Buffer and TorchAll2AllBuffer do, or V2's ``rank_idx`` and ``num_ranks``; else an
-    offset that is no multiple of E_l below
+    disagrees with it: rank_expert_offset other than the buffer's rank * E_l (where the buffer
+    says its rank, see buffer_rank_and_size; else an offset that is no multiple of E_l below
     num_experts), or an expert_map other than global g -> g - rank_expert_offset on this rank's
     experts and -1 elsewhere. The map is read once per map tensor and version (a host
     synchronisation on CUDA, skipped while a CUDA graph is being captured).
