@@ -35,7 +35,8 @@ DEMO_TOLERANCE = 4e-3
 # bench area -> module of the benchmarks package, run as ``python -m benchmarks.<module>``.
 BENCH_AREAS = {"quant": "bench_quant", "moe_sum": "bench_moe_sum",
                "grouped_gemm": "bench_grouped_gemm", "experts": "bench_experts",
-               "grouped_topk": "bench_grouped_topk", "all2all": "bench_all2all"}
+               "grouped_topk": "bench_grouped_topk", "all2all": "bench_all2all",
+               "skew_bound": "bench_skew_bound"}
 # Exit status after the output's reader went away: 128 + SIGPIPE, as a shell reports it.
 EXIT_BROKEN_PIPE = 141
 TORCH_INSTALL = ("pip install torch (on a GPU machine, the CUDA build that matches its driver; "

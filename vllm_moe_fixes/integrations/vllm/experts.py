@@ -64,13 +64,15 @@ def _check_weights(w1, w2, w1_scale, w2_scale) -> None:
             and w1.is_contiguous() and w2.is_contiguous()):
         raise ValueError(f"w1 and w2 must be contiguous float8_e4m3fn, got {w1.dtype} "
                          f"{tuple(w1.shape)} and {w2.dtype} {tuple(w2.shape)}")
-    e_l, two_i, k = w1.shape
+    local_num_experts, two_i, k = w1.shape
     i = two_i // 2
-    if two_i % 2 or i % SCALE_BLOCK or k % SCALE_BLOCK or tuple(w2.shape) != (e_l, k, i):
+    if two_i % 2 or i % SCALE_BLOCK or k % SCALE_BLOCK \
+            or tuple(w2.shape) != (local_num_experts, k, i):
         raise ValueError(f"w1 must be [E_l, 2I, K] and w2 [E_l, K, I] with I and K multiples of "
                          f"{SCALE_BLOCK}, got {tuple(w1.shape)} and {tuple(w2.shape)}")
-    for name, s, want in (("w1_scale", w1_scale, (e_l, two_i // SCALE_BLOCK, k // SCALE_BLOCK)),
-                          ("w2_scale", w2_scale, (e_l, k // SCALE_BLOCK, i // SCALE_BLOCK))):
+    kb, ib = k // SCALE_BLOCK, i // SCALE_BLOCK
+    for name, s, want in (("w1_scale", w1_scale, (local_num_experts, 2 * ib, kb)),
+                          ("w2_scale", w2_scale, (local_num_experts, kb, ib))):
         if not (s.dtype == torch.float32 and tuple(s.shape) == want):
             raise ValueError(f"quant_config.{name} must be float32 {want} (128x128 blocks), got "
                              f"{s.dtype} {tuple(s.shape)}")
