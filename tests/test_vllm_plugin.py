@@ -269,6 +269,55 @@ def test_vllms_deepep_config_wires_our_deepep_adapters(monkeypatch):
                             num_ep_ranks=2, num_global_experts=E, num_local_experts=E // 2)]
 
 
+class _FakeElasticBuffer:
+    """What the V2 adapter reads and calls of a deep_ep.ElasticBuffer (no communication)."""
+
+    def __init__(self, rank_idx, num_ranks):
+        self.rank_idx, self.num_ranks = rank_idx, num_ranks
+
+    def __getattr__(self, name):  # dispatch, combine, get_buffer_size_hint
+        if name in ("dispatch", "combine", "get_buffer_size_hint"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+def test_vllms_deepep_v2_config_wires_our_v2_adapter(monkeypatch):
+    """deepep_v2 in vLLM's parallel config: the standard experts serve it, the plugin builds our
+    V2 adapter over the ElasticBuffer of vLLM's all2all manager (asked with vLLM's arguments),
+    with the CPU sync where no CUDA graph is captured; the batched experts leave it to vLLM."""
+    from vllm_moe_fixes.integrations.vllm import VllmTritonExperts
+    from vllm_moe_fixes.integrations.vllm.support import parallel_config_problem
+
+    import types
+
+    import vllm.config
+
+    def engine(enforce_eager):  # vLLM's current config, as its engine sets it around the build
+        config = types.SimpleNamespace(model_config=types.SimpleNamespace(
+            enforce_eager=enforce_eager))
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: config)
+
+    N = 16
+    v2 = _ep_moe_config("deepep_v2", max_num_tokens=N)
+    engine(enforce_eager=True)
+    assert parallel_config_problem(v2.moe_parallel_config, batched=False) is None
+    assert "deepep_low_latency" in parallel_config_problem(v2.moe_parallel_config, batched=True)
+    handles = _fake_ep_group(monkeypatch, _FakeElasticBuffer(1, 2))
+    kernel = plugin.make_kernel(_weights_quant_config(K), v2, VllmTritonExperts)
+    pf = kernel.prepare_finalize
+    assert type(pf).__name__ == "VllmDeepEPV2PrepareAndFinalize"
+    assert pf.ours.rank_expert_offset == E // 2 and pf.ours.max_num_tokens_per_rank() == N
+    assert pf.ours.do_cpu_sync and pf.output_is_reduced()
+    assert handles == [dict(num_max_tokens_per_rank=N, hidden=K, num_topk=TOPK, num_experts=E,
+                            use_fp8_dispatch=True)]
+    engine(enforce_eager=False)  # CUDA graphs: no host read in the dispatch
+    assert not plugin.make_kernel(_weights_quant_config(K), v2,
+                                  VllmTritonExperts).prepare_finalize.ours.do_cpu_sync
+    _fake_ep_group(monkeypatch, _FakeElasticBuffer(1, 4))
+    with pytest.raises(ValueError, match="num_dispatchers=2 but the buffer's group has 4 ranks"):
+        plugin.make_kernel(_weights_quant_config(K), v2, VllmTritonExperts)
+
+
 def test_a_buffer_vllm_sized_too_small_is_refused_before_the_first_forward(monkeypatch):
     """vLLM sizes the internode high-throughput RDMA buffer from VLLM_DEEPEP_BUFFER_SIZE_MB: at
     128 ranks and hidden 7168, 512 MiB is less than DeepEP's hint (661 MiB)."""

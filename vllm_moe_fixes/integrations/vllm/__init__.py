@@ -2,7 +2,8 @@
 and the ``vllm.general_plugins`` hook that makes vLLM's block-FP8 FusedMoE layers use them.
 
     prepare_finalize  VllmNoEPPrepareAndFinalize, VllmDeepEPHTPrepareAndFinalize,
-                      VllmDeepEPLLPrepareAndFinalize (FusedMoEPrepareAndFinalizeModular)
+                      VllmDeepEPLLPrepareAndFinalize, VllmDeepEPV2PrepareAndFinalize
+                      (FusedMoEPrepareAndFinalizeModular)
     experts           VllmTritonExperts, VllmDeepGemmExperts, VllmBatchedTritonExperts,
                       VllmBatchedDeepGemmExperts (FusedMoEExpertsModular), their base VllmExperts
     support           what they serve (the reasons for a refusal), DeepEP buffer checks
@@ -18,6 +19,7 @@ _MODULE_OF = {
     "VllmNoEPPrepareAndFinalize": "prepare_finalize",
     "VllmDeepEPHTPrepareAndFinalize": "prepare_finalize",
     "VllmDeepEPLLPrepareAndFinalize": "prepare_finalize",
+    "VllmDeepEPV2PrepareAndFinalize": "prepare_finalize",
     "VllmExperts": "experts",
     "VllmTritonExperts": "experts",
     "VllmDeepGemmExperts": "experts",

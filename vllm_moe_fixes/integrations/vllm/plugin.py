@@ -16,8 +16,8 @@ those two names in that module:
 vLLM's configuration decides the wiring: no all-to-all -> ``VllmNoEPPrepareAndFinalize``;
 ``--all2all-backend deepep_high_throughput`` / ``deepep_low_latency`` -> our DeepEP adapters over
 the ``deep_ep.Buffer`` vLLM's all2all manager built (checked against DeepEP's rules here, before
-the first forward). This library's VLLM_USE_DEEP_GEMM (default 0) picks DeepGEMM or Triton
-experts. Other quantisation methods that import the selector (modelopt, compressed-tensors,
+the first forward); ``deepep_v2`` -> our V2 adapter over its ``deep_ep.ElasticBuffer``. This
+library's VLLM_USE_DEEP_GEMM (default 0) picks DeepGEMM or Triton experts. Other quantisation methods that import the selector (modelopt, compressed-tensors,
 online FP8) keep vLLM's kernels. vLLM 0.26 passes ``layer=`` to ``make_fp8_moe_kernel``: extra
 keywords pass through to vLLM's function.
 """
@@ -174,5 +174,24 @@ def make_prepare_finalize(moe_config, routing_tables=None):
             num_dispatchers=manager.world_size, hidden=moe_config.hidden_dim,
             num_experts=moe_config.num_experts, global_to_physical=tables[0],
             physical_to_global=tables[1], local_expert_global_ids=tables[2])
+    if getattr(cfg, "use_deepep_v2_kernels", False):  # vLLM 0.32 and later
+        buffer = manager.get_handle(dict(
+            num_max_tokens_per_rank=moe_config.max_num_tokens, hidden=moe_config.hidden_dim,
+            num_topk=moe_config.experts_per_token, num_experts=moe_config.num_experts,
+            use_fp8_dispatch=True))
+        return pfs.VllmDeepEPV2PrepareAndFinalize(
+            buffer, num_dispatchers=manager.world_size,
+            rank_expert_offset=manager.rank * moe_config.num_local_experts,
+            max_tokens_per_rank=moe_config.max_num_tokens, do_cpu_sync=_engine_runs_eagerly())
     raise ValueError(f"all2all_backend={cfg.all2all_backend!r} has no vllm_moe_fixes "
                      "prepare/finalize (the selector leaves such layers to vLLM)")
+
+
+def _engine_runs_eagerly() -> bool:
+    """True unless vLLM's current config (set by vLLM around the layer's build, as its own
+    deepep_v2 path reads it) captures CUDA graphs (enforce_eager False): DeepEP V2 then
+    dispatches without the CPU sync, which a capture cannot take. Without a model config, True."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    return model_config is None or bool(model_config.enforce_eager)

@@ -13,9 +13,9 @@ vLLM's conventions that differ from ours, translated here:
   and summed the k slots (NoOP) or left [M', k, K] (Contiguous; Delegate on the standard layout);
   ours take ``output_is_reduced``. The low-latency combine always weights and reduces: it takes
   Delegate only, as vLLM's own does.
-- High-throughput prepare returns vLLM's ids: an id the dispatch marked -1 (expert elsewhere)
-  becomes a global id of another rank (E - 1 on rank 0, else 0), which the layer's expert_map
-  maps to -1. Ours mean the same with -1.
+- High-throughput and DeepEP V2 prepare return vLLM's ids: an id the dispatch marked -1
+  (expert elsewhere) becomes a global id of another rank (E - 1 on rank 0, else 0), which the
+  layer's expert_map maps to -1. Ours mean the same with -1.
 - ``ExpertTokensMetadata`` is built directly (its ``make_from_list`` pins host memory, which
   fails without an accelerator).
 
@@ -39,6 +39,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm_moe_fixes.fused_moe import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
+    DeepEPV2PrepareAndFinalize,
     NoEPPrepareAndFinalize,
 )
 from vllm_moe_fixes.integrations.vllm.support import check_deepep_buffer, quant_config_problem
@@ -131,7 +132,37 @@ class VllmNoEPPrepareAndFinalize(_StandardAdapter):
         return res.a1q, res.a1q_scale, None, None, None
 
 
-class VllmDeepEPHTPrepareAndFinalize(_StandardAdapter):
+class _StandardDispatchAdapter(_StandardAdapter):
+    """What the two standard-layout DeepEP adapters (high-throughput, V2) share: int64 ids
+    in, a reduced output out of combine, prepare's result in vLLM's convention."""
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return torch.int64
+
+    def output_is_reduced(self) -> bool:
+        return True
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input, quant_config, defer_input_quant=False):
+        """a1 bf16 [M, K] -> the M' tokens received: (a1q fp8 [M', K], a1q_scale f32
+        [M', K/128], ExpertTokensMetadata (int32 [E_l] received per local expert, on the device
+        and on the host; None where V2 dispatched without the CPU sync), topk_ids int64 [M', k]
+        global ids in vLLM's convention (module docstring), topk_weights f32 [M', k] (0 where
+        the expert is elsewhere))."""
+        _check_prepare_inputs(a1, quant_config, defer_input_quant)
+        res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                apply_router_weight_on_input)
+        elsewhere = num_experts - 1 if self.ours.rank_expert_offset == 0 else 0
+        ids = torch.where(res.topk_ids >= 0, res.topk_ids, elsewhere)
+        meta = None
+        if self.ours.num_recv_tokens_per_expert:  # [] where V2 ran without the CPU sync
+            counts = torch.tensor(self.ours.num_recv_tokens_per_expert, dtype=torch.int32)
+            meta = mk.ExpertTokensMetadata(expert_num_tokens=counts.to(res.a1q.device),
+                                           expert_num_tokens_cpu=counts)
+        return res.a1q, res.a1q_scale, meta, ids, res.topk_weights
+
+
+class VllmDeepEPHTPrepareAndFinalize(_StandardDispatchAdapter):
     """``DeepEPHTPrepareAndFinalize`` for vLLM over vLLM's high-throughput DeepEP buffer.
 
     Arguments (what vLLM's ``maybe_make_prepare_finalize`` knows):
@@ -149,27 +180,27 @@ class VllmDeepEPHTPrepareAndFinalize(_StandardAdapter):
         super().__init__(DeepEPHTPrepareAndFinalize(
             buffer, num_dispatchers=num_dispatchers, rank_expert_offset=rank_expert_offset))
 
-    def topk_indices_dtype(self) -> torch.dtype | None:
-        return torch.int64
 
-    def output_is_reduced(self) -> bool:
-        return True
+class VllmDeepEPV2PrepareAndFinalize(_StandardDispatchAdapter):
+    """``DeepEPV2PrepareAndFinalize`` for vLLM over the ``ElasticBuffer`` of vLLM's deepep_v2
+    all2all manager: the per-token receive layout, our standard format (as high-throughput).
 
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
-                apply_router_weight_on_input, quant_config, defer_input_quant=False):
-        """a1 bf16 [M, K] -> the M' tokens received: (a1q fp8 [M', K], a1q_scale f32
-        [M', K/128], ExpertTokensMetadata (int32 [E_l] received per local expert, on the device
-        and on the host), topk_ids int64 [M', k] global ids in vLLM's convention (module
-        docstring), topk_weights f32 [M', k] (0 where the expert is elsewhere))."""
-        _check_prepare_inputs(a1, quant_config, defer_input_quant)
-        res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
-                                apply_router_weight_on_input)
-        elsewhere = num_experts - 1 if self.ours.rank_expert_offset == 0 else 0
-        ids = torch.where(res.topk_ids >= 0, res.topk_ids, elsewhere)
-        counts = torch.tensor(self.ours.num_recv_tokens_per_expert, dtype=torch.int32)
-        meta = mk.ExpertTokensMetadata(expert_num_tokens=counts.to(res.a1q.device),
-                                       expert_num_tokens_cpu=counts)
-        return res.a1q, res.a1q_scale, meta, ids, res.topk_weights
+    Arguments:
+        buffer: vLLM's ``deep_ep.ElasticBuffer`` (or a ``TorchElasticBuffer``).
+        num_dispatchers: ranks of the expert-parallel group (R).
+        rank_expert_offset: this rank's first global expert id (rank * E_l).
+        max_tokens_per_rank: N, the layer's tokens per rank per dispatch.
+        do_cpu_sync: wait for the exact receive count (eager engines) or take R*N rows without a
+            host read (an engine that captures CUDA graphs).
+    The buffer's rank count is checked against num_dispatchers when built; its bytes, by V2's
+    own checks at the first dispatch.
+    """
+
+    def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int,
+                 max_tokens_per_rank: int, do_cpu_sync: bool) -> None:
+        super().__init__(DeepEPV2PrepareAndFinalize(
+            buffer, num_dispatchers=num_dispatchers, rank_expert_offset=rank_expert_offset,
+            max_tokens_per_rank=max_tokens_per_rank, do_cpu_sync=do_cpu_sync))
 
 
 class VllmDeepEPLLPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):

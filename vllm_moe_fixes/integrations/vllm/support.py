@@ -71,10 +71,10 @@ def parallel_config_problem(cfg: FusedMoEParallelConfig, batched: bool) -> str |
             "the batched experts pair with vLLM's deepep_low_latency all-to-all only")
     if cfg.use_deepep_ll_kernels:
         return "deepep_low_latency takes the batched experts"
-    if cfg.use_passthrough_all2all or (cfg.use_all2all_kernels
-                                       and not cfg.use_deepep_ht_kernels):
+    standard_all2all = cfg.use_deepep_ht_kernels or getattr(cfg, "use_deepep_v2_kernels", False)
+    if cfg.use_passthrough_all2all or (cfg.use_all2all_kernels and not standard_all2all):
         return (f"all2all_backend={cfg.all2all_backend!r} is not served (ours: one rank, "
-                "deepep_high_throughput, deepep_low_latency)")
+                "deepep_high_throughput, deepep_low_latency, deepep_v2)")
     if not cfg.use_all2all_kernels and cfg.dp_size > 1:
         return "data parallelism without expert parallelism (vLLM's all-gather path)"
     return None
