@@ -8,6 +8,7 @@ from _layer import (
     RecordingNoEP,
     check_close,
     fake_deep_gemm,
+    force_triton_launchers,
     make_problem,
     new_kernel,
     reference,
@@ -15,7 +16,6 @@ from _layer import (
 )
 
 from vllm_moe_fixes._compat import deep_gemm as compat
-from vllm_moe_fixes.fused_moe import contiguous_experts as experts_mod
 from vllm_moe_fixes.fused_moe.contiguous_experts import (
     DeepGemmExperts,
     TritonExperts,
@@ -23,7 +23,6 @@ from vllm_moe_fixes.fused_moe.contiguous_experts import (
 )
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
-from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous_triton
 from vllm_moe_fixes.testing import calc_diff
 
 
@@ -75,16 +74,7 @@ def test_triton_path_under_interpreter(monkeypatch, kernel_device):
     experts."""
     p = make_problem(5, 2, 4, 128, 128, local=[0, 2, 3], device=kernel_device, seed=9)
     want = run(new_kernel(), p, 4)
-    # CPU tensors take the torch reference of each step: make it the step's Triton launcher
-    for ref, triton in ((experts_mod.build_contiguous_layout_into,
-                         experts_mod.build_contiguous_layout_triton),
-                        (experts_mod.permute_rows_ref, experts_mod.permute_rows_triton),
-                        (experts_mod.unpermute_reduce_ref, experts_mod.unpermute_reduce_triton),
-                        (experts_mod.grouped_fp8_gemm_contiguous_ref,
-                         grouped_fp8_gemm_contiguous_triton)):
-        monkeypatch.setattr(experts_mod, ref.__name__, triton)
-    monkeypatch.setattr(experts_mod, "silu_and_mul_quant_fp8", lambda h, out_q, out_s: (
-        experts_mod.silu_and_mul_quant_fp8_triton(h, out_q, out_s, None, False)))
+    force_triton_launchers(monkeypatch)
     got = run(new_kernel(), p, 4)
     assert calc_diff(got, want) < 1e-3  # bf16 ties flip a few FP8 requantisations
     check_close(got, reference(p))

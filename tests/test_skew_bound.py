@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 from _dist import device_for, run_distributed
+from _layer import force_triton_launchers
 from test_ep_kernel import check, local_slice, make_weights
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -37,7 +38,6 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.routing import fused_topk
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
-from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous_triton
 from vllm_moe_fixes.sizes import (
     LAYOUT_INDEX_COLUMNS,
     batched_workspace_shapes,
@@ -198,16 +198,7 @@ def test_passes_give_the_bits_of_one_pass_and_allocate_nothing_under_the_interpr
     """Every Triton launcher of the contiguous path (interpreted on CPU), random routing with
     non-local experts and -1 ids: 2 passes give the bits of one pass, and apply allocates
     nothing (tracked) in either: its memory is the declared workspaces."""
-    # CPU tensors take the torch reference of each step: make it the step's Triton launcher
-    for ref, triton in ((experts_mod.build_contiguous_layout_into,
-                         experts_mod.build_contiguous_layout_triton),
-                        (experts_mod.permute_rows_ref, experts_mod.permute_rows_triton),
-                        (experts_mod.unpermute_reduce_ref, experts_mod.unpermute_reduce_triton),
-                        (experts_mod.grouped_fp8_gemm_contiguous_ref,
-                         grouped_fp8_gemm_contiguous_triton)):
-        monkeypatch.setattr(experts_mod, ref.__name__, triton)
-    monkeypatch.setattr(experts_mod, "silu_and_mul_quant_fp8", lambda h, out_q, out_s: (
-        experts_mod.silu_and_mul_quant_fp8_triton(h, out_q, out_s, None, False)))
+    force_triton_launchers(monkeypatch)
     I, K, E_l, k, M = 128, 128, 1, 2, 24
     g = torch.Generator().manual_seed(5)
     w = tuple(t[0::2].contiguous() for t in random_fp8_moe_weights(2, K, I, generator=g))

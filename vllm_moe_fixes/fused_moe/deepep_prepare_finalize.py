@@ -148,8 +148,10 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
 
 
 class PlacedExpertsPrepareAndFinalize(_DeepEPPrepareAndFinalize):
-    """A DeepEP mode that hands the experts GLOBAL ids: the received local ids plus
-    rank_expert_offset, checked against the buffer's placement (see DeepEPHTPrepareAndFinalize)."""
+    """A DeepEP mode that hands the standard-layout experts GLOBAL ids: the received local ids
+    plus rank_expert_offset, checked against the buffer's placement (see
+    DeepEPHTPrepareAndFinalize); finalize sums the k slots where the experts did not and
+    combines (``buffer.combine(x, handle)``, high-throughput and V2 alike)."""
 
     def __init__(self, buffer, num_dispatchers: int, rank_expert_offset: int) -> None:
         super().__init__(buffer, num_dispatchers)
@@ -196,6 +198,21 @@ class PlacedExpertsPrepareAndFinalize(_DeepEPPrepareAndFinalize):
                 f"0..{local_num_experts - 1}, so expert_map[g] must be g - {offset} there and -1 "
                 f"elsewhere; expert_map[{g}] = {got[g]}, not {want[g]}")
         self._checked_map = key
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input, *, output_is_reduced: bool = False) -> None:
+        """Combine the experts' output back to the source ranks into output [M, K].
+
+        fused_expert_output: [M', K] already weighted and summed (output_is_reduced), combined as
+        it is; or [M', k, K], first summed over k with the received weights (float32 math; none
+        when the weights went on the input). Slots with id -1 hold exact zeros: the standard
+        experts guarantee it (a zero weight alone would not cancel garbage, 0 * NaN = NaN)."""
+        handle = self._take_pending()
+        weights = None if apply_router_weight_on_input else topk_weights
+        reduced = fused_expert_output if output_is_reduced else moe_sum(
+            fused_expert_output, topk_weights=weights)
+        combined, _, _ = self.buffer.combine(reduced, handle)
+        output.copy_(combined)
 
 
 class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
@@ -256,21 +273,6 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         self.num_recv_tokens_per_expert = counts
         global_ids = torch.where(recv_ids >= 0, recv_ids + self.rank_expert_offset, recv_ids)
         return PrepareResult(a1q=recv_q, a1q_scale=recv_s, topk_ids=global_ids, topk_weights=recv_w)
-
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input, *, output_is_reduced: bool = False) -> None:
-        """Combine the experts' output back to the source ranks into output [M, K].
-
-        fused_expert_output: [M', K] already weighted and summed (output_is_reduced), combined as
-        it is; or [M', k, K], first summed over k with the received weights (float32 math; none
-        when the weights went on the input). Slots with id -1 hold exact zeros: the standard
-        experts guarantee it (a zero weight alone would not cancel garbage, 0 * NaN = NaN)."""
-        handle = self._take_pending()
-        weights = None if apply_router_weight_on_input else topk_weights
-        reduced = fused_expert_output if output_is_reduced else moe_sum(
-            fused_expert_output, topk_weights=weights)
-        combined, _, _ = self.buffer.combine(reduced, handle)
-        output.copy_(combined)
 
 
 class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):

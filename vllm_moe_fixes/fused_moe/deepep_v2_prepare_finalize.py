@@ -44,7 +44,6 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
 from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, PrepareResult
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
-from vllm_moe_fixes.ops.moe_sum import moe_sum
 
 
 class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
@@ -127,18 +126,3 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         weights = torch.where(here, recv_w, 0.0)
         return PrepareResult(a1q=recv_q, a1q_scale=recv_s, topk_ids=global_ids,
                              topk_weights=weights)
-
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input, *, output_is_reduced: bool = False) -> None:
-        """Combine the experts' output back to the source ranks into output [M, K].
-
-        fused_expert_output: [M', K] already weighted and summed (output_is_reduced), combined as
-        it is; or [M', k, K], first summed over k with the received weights (none when the
-        weights went on the input). Slots with id -1 hold exact zeros (the standard experts'
-        contract), so rows past the valid ones are zeros."""
-        handle = self._take_pending()
-        weights = None if apply_router_weight_on_input else topk_weights
-        reduced = fused_expert_output if output_is_reduced else moe_sum(
-            fused_expert_output, topk_weights=weights)
-        combined, _, _ = self.buffer.combine(reduced, handle)
-        output.copy_(combined)
