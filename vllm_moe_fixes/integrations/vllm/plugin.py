@@ -40,6 +40,8 @@ def register() -> None:
     builder of ``vllm.model_executor.layers.quantization.fp8`` (once per process)."""
     if not envs.VLLM_MOE_FIXES:
         return
+    from vllm_moe_fixes.integrations.vllm.versions import check_installed_vllm
+    check_installed_vllm(logger)  # refuses a vLLM older than the supported range, warns past it
     from vllm.model_executor.layers.quantization import fp8 as fp8_method
 
     if getattr(fp8_method.select_fp8_moe_backend, "_vllm_moe_fixes", False):
@@ -154,6 +156,9 @@ def make_prepare_finalize(moe_config, routing_tables=None):
     cfg = moe_config.moe_parallel_config
     if not cfg.use_all2all_kernels:
         return pfs.VllmNoEPPrepareAndFinalize()
+    from vllm_moe_fixes.integrations.vllm import data_parallel  # DP + EP on CPU: its module
+    if data_parallel.takes_over(cfg):
+        return data_parallel.make_data_parallel_prepare_finalize(moe_config)
     from vllm.distributed import get_ep_group
 
     manager = get_ep_group().device_communicator.all2all_manager

@@ -1,0 +1,83 @@
+"""The plugin's vLLM version check: inside 0.26-0.33 it is quiet, an older vLLM is refused by name
+before the hook binds anything, a newer or unreadable one is warned about by name. The check of
+version strings runs without vllm; register() with a faked ``vllm.__version__`` needs vllm."""
+
+import logging
+import re
+
+import pytest
+
+from vllm_moe_fixes.integrations.vllm.versions import (
+    UnsupportedVllmVersionError,
+    check_vllm_version,
+    release_of,
+)
+
+
+@pytest.mark.parametrize("version, release", [
+    ("0.32.0", (0, 32)), ("0.32.0+cpu", (0, 32)), ("0.33.1rc1.dev5+g1234", (0, 33)),
+    ("1.0", (1, 0)), ("v0.30.0", (0, 30)), ("dev", None), ("", None), ("7", None)])
+def test_release_of(version, release):
+    assert release_of(version) == release
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.29.3", "0.30.0", "0.31.0", "0.32.0+cpu",
+                                     "0.33.0", "0.33.9.dev1"])
+def test_supported_versions_are_quiet(version):
+    assert check_vllm_version(version) is None
+
+
+@pytest.mark.parametrize("version", ["0.25.9", "0.10.2", "0.9.0+cpu"])
+def test_older_vllm_is_refused_by_name(version):
+    with pytest.raises(UnsupportedVllmVersionError,
+                       match=r"supports vLLM 0\.26-0\.33; vLLM " + re.escape(version) + " is older"):
+        check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version, words", [("0.34.0", "is newer"), ("1.0.0+cpu", "is newer"),
+                                            ("unknown", "cannot read")])
+def test_newer_or_unreadable_vllm_is_warned_about_by_name(version, words):
+    warning = check_vllm_version(version)
+    assert words in warning and version in warning and "0.26-0.33" in warning
+
+
+@pytest.fixture
+def plugin_with_vllm_version(monkeypatch):
+    """The plugin module, with VLLM_MOE_FIXES=1 and vLLM's fp8 names restored after the test;
+    call the returned function with a version string to fake ``vllm.__version__``."""
+    vllm = pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization import fp8 as fp8_method
+
+    from vllm_moe_fixes.integrations.vllm import plugin
+
+    for name in ("select_fp8_moe_backend", "make_fp8_moe_kernel"):
+        monkeypatch.setattr(fp8_method, name, getattr(fp8_method, name))
+    monkeypatch.setenv("VLLM_MOE_FIXES", "1")
+    # vLLM's logger does not propagate to the root logger, where caplog listens
+    monkeypatch.setattr(logging.getLogger("vllm.plugins.vllm_moe_fixes"), "propagate", True)
+    return plugin, fp8_method, lambda v: monkeypatch.setattr(vllm, "__version__", v)
+
+
+def test_register_refuses_an_older_vllm_before_binding(plugin_with_vllm_version):
+    plugin, fp8_method, set_version = plugin_with_vllm_version
+    set_version("0.25.0")
+    with pytest.raises(UnsupportedVllmVersionError, match="vLLM 0.25.0 is older"):
+        plugin.register()
+    assert not getattr(fp8_method.select_fp8_moe_backend, "_vllm_moe_fixes", False)
+
+
+def test_register_warns_on_a_newer_vllm_and_binds(plugin_with_vllm_version, caplog):
+    plugin, fp8_method, set_version = plugin_with_vllm_version
+    set_version("0.40.0")
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.vllm_moe_fixes"):
+        plugin.register()
+    assert any("vLLM 0.40.0 is newer" in r.getMessage() for r in caplog.records)
+    assert fp8_method.select_fp8_moe_backend._vllm_moe_fixes
+
+
+def test_register_is_quiet_on_the_installed_vllm(plugin_with_vllm_version, caplog):
+    plugin, fp8_method, _ = plugin_with_vllm_version
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.vllm_moe_fixes"):
+        plugin.register()
+    assert not [r for r in caplog.records if "supports vLLM" in r.getMessage()]
+    assert fp8_method.select_fp8_moe_backend._vllm_moe_fixes

