@@ -36,7 +36,6 @@ API (keep it small):
 import datetime
 import itertools
 import json
-import math
 import platform
 import subprocess
 import time
@@ -45,6 +44,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+
+from vllm_moe_fixes.sizes import cdiv
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -90,7 +91,7 @@ def host_us(fn, arg_sets, calls=200) -> float:
 
 
 def rotating(make, nbytes, budget=256 << 20, max_sets=16) -> list:
-    n = max(1, min(max_sets, math.ceil(budget / max(nbytes, 1))))
+    n = max(1, min(max_sets, cdiv(budget, max(nbytes, 1))))
     return [make(i) for i in range(n)]
 
 

@@ -40,6 +40,7 @@ from benchmarks._common import (
     write_json,
 )
 from vllm_moe_fixes.ops.moe_sum import default_moe_sum_config, moe_sum, moe_sum_triton
+from vllm_moe_fixes.sizes import cdiv
 
 TOPK, K = 8, 7168
 MS = (256, 4096, 16384)
@@ -63,9 +64,8 @@ def _byte_floor_kernel(x_ptr, out_ptr, K, TOPK: tl.constexpr, BLOCK_K: tl.conste
 def _byte_floor(x, o):
     M, topk, K_ = x.shape
     block_k = default_moe_sum_config(M, K_)["block_k"]
-    _byte_floor_kernel[(M, triton.cdiv(K_, block_k))](x.view(torch.int16), o.view(torch.int16),
-                                                      K_, TOPK=topk, BLOCK_K=block_k,
-                                                      num_warps=4)
+    _byte_floor_kernel[(M, cdiv(K_, block_k))](x.view(torch.int16), o.view(torch.int16), K_,
+                                               TOPK=topk, BLOCK_K=block_k, num_warps=4)
 
 
 def _bytes(M):

@@ -37,6 +37,7 @@ from vllm_moe_fixes._memory import peak_memory
 from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts
 from vllm_moe_fixes.fused_moe.routing import fused_topk
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
+from vllm_moe_fixes.sizes import cdiv
 from vllm_moe_fixes.testing import random_fp8_moe_weights
 
 K, I, E, E_L, TOPK = 7168, 2048, 256, 8, 8
@@ -68,7 +69,7 @@ def bench_routing(name, make_experts, w, emap, M, skewed, passes_list):
     local_slots = int((ids < E_L).sum())
     one_pass = None
     for passes in passes_list:
-        os.environ[CHUNK] = str(-(-M // passes))
+        os.environ[CHUNK] = str(cdiv(M, passes))
         experts = make_experts()
         shapes = experts.workspace_shapes(M, I, K, TOPK, E_L)
         declared = 2 * sum(torch.Size(s).numel() for s in shapes[:2])

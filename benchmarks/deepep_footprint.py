@@ -31,6 +31,7 @@ from vllm_moe_fixes.distributed.deepep_sizing import (
     NVSHMEM_HEAP_GRANULARITY,
     deepep_buffer_footprint_bytes,
 )
+from vllm_moe_fixes.sizes import align_up
 
 MiB = 2**20
 # (N tokens per rank, hidden, experts): low-latency RDMA hints from 0.1 MiB to 3.6 GiB, several on
@@ -92,7 +93,7 @@ def _case(backend: str, world: int, n: int, hidden: int, experts: int, buffer_mb
     nvl, rdma, taken = worst["num_nvl_bytes"], worst["num_rdma_bytes"], worst["taken_bytes"]
     model = deepep_buffer_footprint_bytes(nvl, rdma)
     known = deepep_buffer_footprint_bytes(nvl, 0)  # the workspace and the NVLink buffer
-    heap = -(-rdma // NVSHMEM_HEAP_GRANULARITY) * NVSHMEM_HEAP_GRANULARITY
+    heap = align_up(rdma, NVSHMEM_HEAP_GRANULARITY)
     return {**row, "nvl_bytes": nvl, "rdma_bytes": rdma, "rdma_MiB": rdma / MiB,
             "measured_MiB": taken / MiB, "model_MiB": model / MiB,
             "diff_MiB": (taken - model) / MiB,

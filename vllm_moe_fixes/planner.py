@@ -66,7 +66,12 @@ from vllm_moe_fixes.distributed.deepep_v2_sizing import (
     check_elastic_config,
     elastic_buffer_footprint_bytes,
 )
-from vllm_moe_fixes.sizes import SCALE_BLOCK, batched_workspace_shapes, contiguous_workspace_shapes
+from vllm_moe_fixes.sizes import (
+    SCALE_BLOCK,
+    batched_workspace_shapes,
+    cdiv,
+    contiguous_workspace_shapes,
+)
 
 SAMPLE_TOKENS = 8192
 # A fixed low-latency RDMA buffer of 1 GiB, not sized by DeepEP's hint: at DP=128 it trips DeepEP's
@@ -194,7 +199,7 @@ def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_num_experts: 
         ws13, ws2, _ = contiguous_workspace_shapes(tokens, I, K, k, local_num_experts,
                                                    tokens_per_pass)
         recv, rows = tokens, ws13[0]  # M_sum
-    layer = {"recv_x": recv * K * FP8_BYTES + recv * -(-K // SCALE_BLOCK) * F32_BYTES,
+    layer = {"recv_x": recv * K * FP8_BYTES + recv * cdiv(K, SCALE_BLOCK) * F32_BYTES,
              "workspace13": math.prod(ws13) * BF16_BYTES,
              "workspace2": math.prod(ws2) * BF16_BYTES,
              "layer_output": max_tokens * K * BF16_BYTES}
@@ -207,8 +212,8 @@ def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_num_experts: 
 
 def _weight_bytes(cfg: MoEModelConfig, local_num_experts: int) -> int:
     K, I = cfg.hidden_size, cfg.moe_intermediate_size
-    scale_blocks = ((math.ceil(2 * I / SCALE_BLOCK) + math.ceil(I / SCALE_BLOCK))
-                    * math.ceil(K / SCALE_BLOCK))
+    scale_blocks = ((cdiv(2 * I, SCALE_BLOCK) + cdiv(I, SCALE_BLOCK))
+                    * cdiv(K, SCALE_BLOCK))
     per_expert = 3 * I * K * FP8_BYTES + scale_blocks * F32_BYTES
     return cfg.num_moe_layers * local_num_experts * per_expert
 
@@ -453,7 +458,7 @@ def format_plan(plan: dict) -> str:
     z, r = plan["loads"]["zero"], plan["loads"]["random"]
     sampled = (" (a sample: the random busiest/mean is an over-estimate)"
                if plan["simulated_tokens"] < plan["group_tokens"] else "")
-    passes = -(-plan["max_tokens"] // plan["pass_tokens"])
+    passes = cdiv(plan["max_tokens"], plan["pass_tokens"])
     lines = [
         f"model {m['name']}: K={m['hidden_size']} I={m['moe_intermediate_size']} "
         f"E={m['num_experts']} top-{m['top_k']} {m['scoring']}"

@@ -1,4 +1,5 @@
-"""Buffer sizes of the MoE layer, in plain Python (no torch import: the planner uses these).
+"""Buffer sizes of the MoE layer, in plain Python (no torch import: the planner uses these), and
+the integer roundings every module shares (`cdiv`, `align_up`; Triton kernels use tl.cdiv).
 
 All shapes are in bf16 ELEMENTS. I is the intermediate size (w1 [E_l, 2I, K], w2 [E_l, K, I]),
 K the hidden size, E_l the number of local experts (local_num_experts).
@@ -28,15 +29,25 @@ SCALE_BLOCK = 128
 LAYOUT_INDEX_COLUMNS = 8  # bf16 elements per M_sum row holding the layout's int32 index vectors
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceil division of integers (b > 0). Plain Python on purpose: triton.cdiv is a
+    ConstexprFunction in triton 3.6 and 3.9 and costs ~2 us per host call."""
+    return -(-a // b)
+
+
+def align_up(n: int, alignment: int) -> int:
+    """The smallest multiple of `alignment` that is >= n (elementwise for an integer tensor n)."""
+    return -(-n // alignment) * alignment
+
+
 def contiguous_num_rows(num_slots: int, local_num_experts: int) -> int:
     """M_sum = round_up(num_slots + local_num_experts * 127, 128): rows of the contiguous layout."""
-    rows = num_slots + local_num_experts * (ROW_ALIGNMENT - 1)
-    return (rows + ROW_ALIGNMENT - 1) // ROW_ALIGNMENT * ROW_ALIGNMENT
+    return align_up(num_slots + local_num_experts * (ROW_ALIGNMENT - 1), ROW_ALIGNMENT)
 
 
 def _fp8_with_scales_columns(cols: int) -> int:
     """bf16 elements per row holding `cols` fp8 bytes and their cols/128 float32 scales."""
-    return -(-(cols + cols // SCALE_BLOCK * 4) // 2)
+    return cdiv(cols + cols // SCALE_BLOCK * 4, 2)
 
 
 def contiguous_workspace_shapes(M: int, I: int, K: int, topk: int, local_num_experts: int,
@@ -59,7 +70,7 @@ def contiguous_workspace_shapes(M: int, I: int, K: int, topk: int, local_num_exp
     passes = tokens_per_pass is not None and M > tokens_per_pass
     m_sum = contiguous_num_rows((tokens_per_pass if passes else M) * topk, local_num_experts)
     scratch = max(_fp8_with_scales_columns(K), _fp8_with_scales_columns(I))
-    out_cols = -(-M * K // m_sum)
+    out_cols = cdiv(M * K, m_sum)
     cols13 = scratch + out_cols if passes else max(scratch, out_cols)
     return (m_sum, cols13), (m_sum, max(2 * I, K) + LAYOUT_INDEX_COLUMNS), (M, K)
 

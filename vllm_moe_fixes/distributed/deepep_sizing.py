@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes.sizes import align_up
 
 MiB = 2**20
 # Ranks one NVLink domain holds; more ranks are split into RDMA "nodes" of 8.
@@ -41,10 +42,6 @@ LL_MAX_TOPK = 11
 DEFAULT_NUM_SMS = 20
 
 
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
 @dataclass(frozen=True)
 class Config:
     """Mirror of DeepEP's ``Config``: SMs and the per-channel chunk sizes of normal mode.
@@ -61,7 +58,7 @@ class Config:
 
     def __post_init__(self) -> None:
         rdma_send = self.num_max_rdma_chunked_send_tokens
-        rdma_recv = _align(self.num_max_rdma_chunked_recv_tokens, rdma_send)
+        rdma_recv = align_up(self.num_max_rdma_chunked_recv_tokens, rdma_send)
         object.__setattr__(self, "num_max_rdma_chunked_recv_tokens", rdma_recv)
         nvl_send = self.num_max_nvl_chunked_send_tokens
         nvl_recv = self.num_max_nvl_chunked_recv_tokens
@@ -83,7 +80,7 @@ class Config:
         # meta, 128 top-k ids (int64) and weights (float32), 128 float32 scales.
         total = (slots * (2 * rdma_ranks + 3) * 4
                  + tokens * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4))
-        return _align(total, BUFFER_ALIGNMENT)
+        return align_up(total, BUFFER_ALIGNMENT)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """RDMA buffer bytes of normal mode: 0 within one NVLink domain (<= 8 ranks)."""
@@ -98,7 +95,7 @@ class Config:
         # token the row, source meta, 128 ids, 128 weights, 128 scales and one 16-byte control word.
         total = (slots * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
                  + tokens * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4 + 16) * 2)
-        return _align(total, BUFFER_ALIGNMENT)
+        return align_up(total, BUFFER_ALIGNMENT)
 
 
 # DeepEP v1.2.1's tuned chunk sizes: ranks -> (nvl send, nvl recv, rdma send, rdma recv).
@@ -181,7 +178,7 @@ def deepep_ll_rdma_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num
     combine_msg = 4 * scales + 2 * h
     send = max(n * dispatch_msg, e * n * combine_msg)
     recv = max(e * n * dispatch_msg, e * n * combine_msg)
-    signal = _align(4 * e, BUFFER_ALIGNMENT)
+    signal = align_up(4 * e, BUFFER_ALIGNMENT)
     total = 2 * (send + recv + signal)
     return (total + BUFFER_ALIGNMENT) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
 
@@ -302,9 +299,9 @@ def deepep_buffer_footprint_bytes(num_nvl_bytes: int, num_rdma_bytes: int) -> in
     cost). Both arguments are byte counts >= 0."""
     total = DEEPEP_WORKSPACE_BYTES
     if num_nvl_bytes > 0:
-        total += _align(num_nvl_bytes + _NVL_METADATA_BYTES, CUDA_MALLOC_GRANULE)
+        total += align_up(num_nvl_bytes + _NVL_METADATA_BYTES, CUDA_MALLOC_GRANULE)
     if num_rdma_bytes > 0:
         total += NVSHMEM_FIXED_BYTES + NVSHMEM_HEAP_GRANULARITY
         if NVSHMEM_HEAP_RESERVED_BYTES + num_rdma_bytes > NVSHMEM_HEAP_GRANULARITY:
-            total += _align(num_rdma_bytes, NVSHMEM_HEAP_GRANULARITY)
+            total += align_up(num_rdma_bytes, NVSHMEM_HEAP_GRANULARITY)
     return total

@@ -34,6 +34,7 @@ DeepEP V2 and a GPU group are present, compares with DeepEP's own hint.
 from __future__ import annotations
 
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes.sizes import align_up, cdiv
 
 MiB = 2**20
 # Every ElasticBuffer size (and its workspace) is a multiple of this
@@ -58,10 +59,6 @@ WORKSPACE_MAX_CHANNELS = 1024
 DEFAULT_NVL_RANKS = 8
 
 
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
 def workspace_bytes() -> int:
     """``WorkspaceLayout::get_num_bytes()``: barrier signals, per-rank / per-expert counters,
     per-channel tails and AGRS signals (int64 = 8, int32 = 4 bytes)."""
@@ -76,7 +73,7 @@ def token_bytes(hidden_bytes: int, sf_bytes: int, num_topk: int, with_metadata: 
         raise ValueError(f"a row of {hidden_bytes} bytes: DeepEP V2 needs rows of a multiple of "
                          f"{TMA_ALIGNMENT} bytes (bf16 hidden % 16, FP8 hidden % 32)")
     meta = num_topk * 8 + ((1 + num_topk) * 4 if with_metadata else 0)
-    return sum(_align(b, TMA_ALIGNMENT) for b in (hidden_bytes, sf_bytes, meta))
+    return sum(align_up(b, TMA_ALIGNMENT) for b in (hidden_bytes, sf_bytes, meta))
 
 
 def domains(num_ranks: int, num_nvl_ranks: int | None = None,
@@ -150,10 +147,10 @@ def elastic_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, *, num_r
     n = num_max_tokens_per_rank
     dispatch = dispatch_buffer_bytes(
         n, hidden, elem_bytes=1 if use_fp8_dispatch else 2,
-        num_sf_packs=-(-hidden // 32) if use_fp8_dispatch else 0, num_topk=k, **topo)
+        num_sf_packs=cdiv(hidden, 32) if use_fp8_dispatch else 0, num_topk=k, **topo)
     combine = combine_buffer_bytes(n, hidden, num_topk=k,
                                    allow_multiple_reduction=allow_multiple_reduction, **topo)
-    return _align(max(dispatch, combine), ELASTIC_ALIGNMENT)
+    return align_up(max(dispatch, combine), ELASTIC_ALIGNMENT)
 
 
 def check_elastic_config(*, num_ranks: int, max_tokens_per_rank: int, hidden: int,
@@ -188,4 +185,4 @@ def elastic_buffer_footprint_bytes(num_bytes: int) -> int:
     """Device bytes an ``ElasticBuffer(num_bytes=...)`` maps at least: the buffer plus its
     workspace, both in 2 MiB steps. NCCL's own device state (communicator, GIN queues) comes on
     top and has not been measured here."""
-    return _align(num_bytes, ELASTIC_ALIGNMENT) + _align(workspace_bytes(), ELASTIC_ALIGNMENT)
+    return align_up(num_bytes, ELASTIC_ALIGNMENT) + align_up(workspace_bytes(), ELASTIC_ALIGNMENT)

@@ -28,13 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, align_up
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.triton_utils import (
     INTERPRETING,
     next_power_of_2,
     round_to_bf16_grid,
     round_to_e4m3_grid,
 )
+from vllm_moe_fixes.sizes import align_up, cdiv
 
 # DeepEP's low-latency cast floors amax at this margin, so an all-zero group gets a finite scale.
 LL_AMAX_FLOOR = 1e-4
@@ -44,11 +45,6 @@ _INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 # Byte alignment of a slab row (its int64 ids and float32 scales need 8 and 4).
 ROW_ALIGN = 16
-
-
-def _cdiv(a: int, b: int) -> int:
-    """Ceil division for launch grids in plain Python (triton.cdiv costs microseconds a call)."""
-    return -(-a // b)
 
 
 # ----------------------------------------------------------------- the message
@@ -111,7 +107,7 @@ def pack_fp8_triton(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Ten
     n, num_groups = slab_scales.shape
     groups_per_prog = min(8, next_power_of_2(num_groups))
     topk = topk_idx.shape[1]
-    grid = (n, _cdiv(num_groups, groups_per_prog))
+    grid = (n, cdiv(num_groups, groups_per_prog))
     _pack_fp8_kernel[grid](x, topk_idx, slab_ids, slab_scales, slab_q, x.shape[0], num_groups,
                            x.stride(0), topk_idx.stride(0), slab_ids.stride(0),
                            slab_scales.stride(0), slab_q.stride(0), TOPK=topk,
@@ -194,9 +190,9 @@ class LLWorkspace:
         self.recv = torch.empty(local_num_experts, rows, h,
                                 dtype=FP8_DTYPE if use_fp8 else torch.bfloat16, device=device)
         self.recv_bytes = self.recv.view(torch.uint8)
-        self.recv_scales = torch.empty(local_num_experts, h // SCALE_BLOCK, rows,
-                                       dtype=torch.float32,
-                                       device=device).transpose(1, 2) if use_fp8 else None
+        self.recv_scales = empty_mn_major_scales(
+            (local_num_experts, rows, h // SCALE_BLOCK), device,
+            tma_aligned=False) if use_fp8 else None
         self.weights = None if alone else torch.empty(n, k, dtype=torch.float32, device=device)
         self.gathered_weights = None if alone else torch.empty(rows, k, dtype=torch.float32,
                                                                device=device)
@@ -338,8 +334,8 @@ def scatter_rows_triton(src: torch.Tensor, dst: torch.Tensor, served: torch.Tens
         return
     block_w = min(next_power_of_2(max(width, width2)), 1024)
     block_p = max(1, min(64, 2048 // block_w))
-    tiles = _cdiv(width, block_w)
-    grid = (_cdiv(pairs * topk, block_p), tiles + _cdiv(width2, block_w))
+    tiles = cdiv(width, block_w)
+    grid = (cdiv(pairs * topk, block_p), tiles + cdiv(width2, block_w))
     _scatter_rows_kernel[grid](src, dst, src2, dst2, served.view(torch.uint8), local, pos,
                                pairs * topk, width, width2, tiles, *src.stride(), *dst.stride(),
                                *src2.stride(), *dst2.stride(), TOPK=topk, BLOCK_P=block_p,
@@ -400,7 +396,7 @@ def partial_sums_triton(x_rows: torch.Tensor, recv_row: torch.Tensor, served: to
     if rows == 0 or hidden == 0:
         return
     block_h = min(next_power_of_2(hidden), 2048)
-    _partial_sums_kernel[(rows, _cdiv(hidden, block_h))](
+    _partial_sums_kernel[(rows, cdiv(hidden, block_h))](
         x_rows, recv_row, served.view(torch.uint8), weights, out, hidden, x_rows.stride(0),
         out.stride(0), TOPK=topk, BLOCK_H=block_h,
         ROUND_BF16=INTERPRETING and out.dtype == torch.bfloat16, num_warps=4,

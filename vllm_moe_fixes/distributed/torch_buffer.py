@@ -58,6 +58,7 @@ from vllm_moe_fixes.distributed import buffer_checks as checks
 from vllm_moe_fixes.distributed import deepep_sizing as sizing
 from vllm_moe_fixes.distributed import ll_exchange as ll
 from vllm_moe_fixes.distributed.collectives import run_collective
+from vllm_moe_fixes.sizes import align_up
 
 # torch 2.13 names it all_gather_single; older releases all_gather_into_tensor (same arguments).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -349,10 +350,8 @@ class TorchAll2AllBuffer:
         got = torch.empty_like(counts)
         # row s: what rank s sends here
         run_collective(dist.all_to_all_single, got, counts, group=self.group)
-        per_expert = got[:, 1:].sum(0)
-        per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
-        host = torch.cat([counts[:, 0], got[:, 0], per_expert]).tolist()
-        return host[:r], host[r:2 * r], host[2 * r:]
+        host = torch.cat([counts[:, 0], got[:, 0], got[:, 1:].sum(0)]).tolist()
+        return host[:r], host[r:2 * r], [align_up(c, expert_alignment) for c in host[2 * r:]]
 
     def _send_order(self, is_token_in_rank: torch.Tensor, send_splits: list[int]) -> torch.Tensor:
         """Token index of each row to send: grouped by destination rank, token order within one.

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from vllm_moe_fixes._validate import check, check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed import deepep_v2_sizing as v2
 from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, empty_mn_major_scales
 
 # Id written into the rows past the valid prefix of a no-sync dispatch: far out of any range.
 _POISON_ID = 2**40
@@ -285,11 +285,8 @@ class TorchElasticBuffer:
             return self._pad(recv_x, rows, float("nan"))
         data, scales = self._pad(recv_x[0], rows, float("nan")), self._pad(
             recv_x[1], rows, float("nan"))
-        if col_major_sf:  # [S, align(rows, 4)] storage viewed [rows, S]
-            storage = torch.empty(scales.shape[1], -(-rows // 4) * 4, dtype=scales.dtype,
-                                  device=scales.device)
-            storage[:, :rows] = scales.t()
-            scales = storage[:, :rows].t()
+        if col_major_sf:
+            scales = empty_mn_major_scales(scales.shape, scales.device).copy_(scales)
         return data, scales
 
     @staticmethod

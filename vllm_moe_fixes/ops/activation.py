@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_bf16_grid
+from vllm_moe_fixes.sizes import cdiv
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,7 +66,7 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int = 1,
     if M == 0 or I == 0:
         return
     block_n = block_n or min(1024, next_power_of_2(I))
-    grid = ((M + block_m - 1) // block_m, (I + block_n - 1) // block_n)
+    grid = (cdiv(M, block_m), cdiv(I, block_n))
     _silu_and_mul_kernel[grid](x, out, M, I, x.stride(0), out.stride(0),
                                BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=INTERPRETING,
                                num_warps=num_warps)

@@ -4,17 +4,20 @@ Activations are quantised per 1x128 group of channels (one float32 scale per tok
 weights per 128x128 block. DeepGEMM's SM90 kernels read activation scales MN-major: for scales of
 logical shape [..., rows, groups] the rows are contiguous (strides (1, rows_padded) in the last two
 dimensions), with rows_padded a multiple of 4 so that every group's column starts on a 16-byte
-boundary, as the tensor-memory accelerator requires. `empty_mn_major_scales` allocates that layout.
+boundary, as the tensor-memory accelerator requires. `empty_mn_major_scales` allocates that layout
+(or, unpadded, DeepEP's low-latency one); `mn_major_scales_view` lays it over a workspace.
 A block-quantised weight stands for its values times its block's scale: `dequant_block_fp8`.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # Channels per activation scale group; side of a weight scale block. Plain Python in sizes.py, so
 # that the torch-free planner sizes with the same number.
-from vllm_moe_fixes.sizes import SCALE_BLOCK
+from vllm_moe_fixes.sizes import SCALE_BLOCK, align_up
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -23,23 +26,31 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _TMA_ALIGN_ROWS = 16 // 4
 
 
-def align_up(n: int, alignment: int) -> int:
-    """The smallest multiple of `alignment` that is >= n."""
-    return (n + alignment - 1) // alignment * alignment
-
-
 def tma_aligned_rows(rows: int) -> int:
     """Rows of the MN-major scale layout: `rows` rounded up to a multiple of 4 (16 bytes)."""
     return align_up(rows, _TMA_ALIGN_ROWS)
 
 
-def empty_mn_major_scales(shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
-    """Uninitialised float32 scales of logical `shape` [..., rows, groups], MN-major and
-    TMA-aligned: strides (..., 1, tma_aligned_rows(rows)) in the last two dimensions."""
+def empty_mn_major_scales(shape: tuple[int, ...], device: torch.device | str,
+                          tma_aligned: bool = True) -> torch.Tensor:
+    """Uninitialised float32 scales of logical `shape` [..., rows, groups], MN-major: strides
+    (..., 1, tma_aligned_rows(rows)) in the last two dimensions, or (..., 1, rows) when not
+    `tma_aligned` (DeepEP's low-latency layout, [E, T, groups] with strides (groups*T, 1, T))."""
     *batch, rows, groups = shape
-    storage = torch.empty((*batch, groups, tma_aligned_rows(rows)), dtype=torch.float32,
-                          device=device)
+    padded = tma_aligned_rows(rows) if tma_aligned else rows
+    storage = torch.empty((*batch, groups, padded), dtype=torch.float32, device=device)
     return storage[..., :rows].transpose(-1, -2)
+
+
+def mn_major_scales_view(ws: torch.Tensor, byte_offset: int,
+                         shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 scales of logical `shape` [..., rows, groups], MN-major without padding (strides
+    (..., 1, rows)), over the bytes of the contiguous workspace `ws` (any dtype) from
+    `byte_offset` on. TMA needs byte_offset a multiple of 16 and rows a multiple of 4."""
+    *batch, rows, groups = shape
+    nbytes = 4 * math.prod(shape)
+    flat = ws.view(-1).view(torch.uint8)[byte_offset:byte_offset + nbytes].view(torch.float32)
+    return flat.view(*batch, groups, rows).transpose(-1, -2)
 
 
 def dequant_block_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ from vllm_moe_fixes.ops.fp8 import (
     tma_aligned_rows,
 )
 from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_e4m3_grid
+from vllm_moe_fixes.sizes import cdiv
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -131,7 +132,7 @@ def per_token_group_quant_fp8_triton(
     if groups_per_prog is None:
         groups_per_prog = (QUANT_GROUPS_PER_PROG if num_groups >= QUANT_GROUPS_PER_PROG
                            else next_power_of_2(num_groups))
-    grid = ((M + block_m - 1) // block_m, (num_groups + groups_per_prog - 1) // groups_per_prog)
+    grid = (cdiv(M, block_m), cdiv(num_groups, groups_per_prog))
     _per_token_group_quant_fp8_kernel[grid](
         x, x_q, x_s, M, num_groups, x.stride(0), x_s.stride(0), x_s.stride(1), eps,
         GROUP=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog,
@@ -224,9 +225,7 @@ def _scales_buffer(x, num_groups, out_s, column_major, tma_aligned) -> torch.Ten
     if out_s is None:
         if not column_major:
             return torch.empty(shape, dtype=torch.float32, device=x.device)
-        if tma_aligned:
-            return empty_mn_major_scales(shape, x.device)
-        return torch.empty(shape[::-1], dtype=torch.float32, device=x.device).t()
+        return empty_mn_major_scales(shape, x.device, tma_aligned=tma_aligned)
     if not isinstance(out_s, torch.Tensor) or out_s.dtype is not torch.float32:
         raise ValueError(f"out_s must be a torch.float32 tensor, got "
                          f"{getattr(out_s, 'dtype', type(out_s))}")
@@ -321,7 +320,6 @@ def quant_batched_fp8(x: torch.Tensor, out_q: torch.Tensor | None = None,
     q, s = per_token_group_quant_fp8(x.reshape(e * t, k), SCALE_BLOCK,
                                      out_q=None if out_q is None else out_q.view(e * t, k))
     if out_s is None:
-        out_s = torch.empty(e, k // SCALE_BLOCK, t, dtype=torch.float32,
-                            device=x.device).transpose(1, 2)
+        out_s = empty_mn_major_scales((e, t, k // SCALE_BLOCK), x.device, tma_aligned=False)
     out_s.copy_(s.view(e, t, k // SCALE_BLOCK))
     return q.view(e, t, k), out_s

@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
+from vllm_moe_fixes.sizes import cdiv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,8 +279,7 @@ def grouped_fp8_gemm_contiguous_triton(a, w, out, m_indices, config: dict | None
         return out
     cfg = _resolve_config(config)
     descs, kwargs = _launch_args(cfg, a_q, w_q)
-    # Plain integer ceil-divisions: triton.cdiv costs microseconds per host call.
-    num_tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    num_tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     # Whole stride tuples: one call each instead of one per dimension (host time).
     _contiguous_kernel[(num_tiles,)](
         a_q, a_s, w_q, w_s, out, m_indices, M, N, K,
@@ -302,7 +302,7 @@ def grouped_fp8_gemm_masked_triton(a, w, out, masked_m, expected_m=None,
         return out
     cfg = _resolve_config(config)
     descs, kwargs = _launch_args(cfg, a_q, w_q)
-    per_expert = -(-T // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    per_expert = cdiv(T, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     _masked_kernel[(per_expert, E)](
         a_q, a_s, w_q, w_s, out, masked_m, T, N, K,
         *a_q.stride()[:2], *a_s.stride(), *w_q.stride()[:2], *w_s.stride(), *out.stride()[:2],

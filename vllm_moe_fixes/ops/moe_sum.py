@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_bf16_grid
+from vllm_moe_fixes.sizes import cdiv
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -74,7 +75,7 @@ def moe_sum_triton(x: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tenso
     if block_k is None:
         block_k = default_moe_sum_config(M, K)["block_k"]
     block_m = block_m or 1
-    grid = ((M + block_m - 1) // block_m, (K + block_k - 1) // block_k)
+    grid = (cdiv(M, block_m), cdiv(K, block_k))
     weighted = topk_weights is not None
     w, w_strides = (topk_weights, topk_weights.stride()) if weighted else (out, (0, 0))
     _moe_sum_kernel[grid](

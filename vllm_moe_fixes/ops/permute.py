@@ -48,7 +48,7 @@ from vllm_moe_fixes._validate import check as _check
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.ops.moe_sum import moe_sum_ref
 from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_bf16_grid
-from vllm_moe_fixes.sizes import ROW_ALIGNMENT, contiguous_num_rows
+from vllm_moe_fixes.sizes import ROW_ALIGNMENT, align_up, cdiv, contiguous_num_rows
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -76,12 +76,12 @@ def layout_chunk(num_slots: int, local_num_experts: int) -> int:
     all of them when there are at most SINGLE_PROGRAM_SLOTS."""
     if num_slots <= SINGLE_PROGRAM_SLOTS:
         return max(128, next_power_of_2(max(local_num_experts, num_slots)))
-    return max(128, next_power_of_2(max(local_num_experts, -(-num_slots // 256))))
+    return max(128, next_power_of_2(max(local_num_experts, cdiv(num_slots, 256))))
 
 
 def layout_num_chunks(num_slots: int, local_num_experts: int) -> int:
     """Programs of the layout kernels (at least one: it writes the padding rows)."""
-    return max(1, -(-num_slots // layout_chunk(num_slots, local_num_experts)))
+    return max(1, cdiv(num_slots, layout_chunk(num_slots, local_num_experts)))
 
 
 def layout_index_numel(num_slots: int, local_num_experts: int) -> int:
@@ -163,7 +163,7 @@ def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, des
                               other=0)
                 total += tl.sum(cnt, axis=0)
                 before += tl.sum(tl.where((cc < c)[:, None], cnt, 0), axis=0)
-        padded = (total + ROW_ALIGNMENT - 1) // ROW_ALIGNMENT * ROW_ALIGNMENT
+        padded = tl.cdiv(total, ROW_ALIGNMENT) * ROW_ALIGNMENT
         start = seg_end + tl.cumsum(padded, axis=0) - padded
         seg_end += tl.sum(padded, axis=0)
         # dest = segment start + earlier chunks' slots + rank within this chunk - 1.
@@ -249,7 +249,7 @@ def build_contiguous_layout_ref(topk_ids: torch.Tensor, local_num_experts: int,
     counts = torch.zeros(local_num_experts + 1, dtype=torch.int64, device=dev)
     counts.index_add_(0, local + 1, torch.ones_like(local))  # bin 0: slots with no row
     num_nonlocal, counts = counts[:1], counts[1:]
-    padded = (counts + ROW_ALIGNMENT - 1) // ROW_ALIGNMENT * ROW_ALIGNMENT
+    padded = align_up(counts, ROW_ALIGNMENT)
     seg_start = torch.cumsum(padded, 0) - padded
     first_sorted = num_nonlocal + torch.cumsum(counts, 0) - counts
     sorted_local, order = torch.sort(local, stable=True)
@@ -388,7 +388,7 @@ def permute_rows_triton(a_q: torch.Tensor, a_s: torch.Tensor, layout: Contiguous
         return
     G = a_s.shape[1]
     block_k = min(block_k, next_power_of_2(K))
-    grid = (-(-m_sum // block_rows), -(-K // block_k))
+    grid = (cdiv(m_sum, block_rows), cdiv(K, block_k))
     _permute_rows_kernel[grid](
         a_q.view(torch.uint8), a_s, layout.src_row, out_q.view(torch.uint8), out_s, m_sum, K, G,
         a_q.stride(0), a_s.stride(0), a_s.stride(1), out_q.stride(0), out_s.stride(0),
@@ -496,7 +496,7 @@ def unpermute_reduce_triton(y: torch.Tensor, dest: torch.Tensor,
     block_k = min(block_k, next_power_of_2(K))
     weighted = topk_weights is not None
     w, w_strides = (topk_weights, topk_weights.stride()) if weighted else (dest, (0, 0))
-    _unpermute_reduce_kernel[(M, -(-K // block_k))](
+    _unpermute_reduce_kernel[(M, cdiv(K, block_k))](
         y, dest, w, out, M, K, y.stride(0), *w_strides, out.stride(0), TOPK=topk,
         WEIGHTED=weighted, BLOCK_K=block_k,
         ROUND_BF16=INTERPRETING and out.dtype == torch.bfloat16, num_warps=num_warps,

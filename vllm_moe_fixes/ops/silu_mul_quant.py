@@ -26,6 +26,7 @@ from vllm_moe_fixes.ops.activation import silu_and_mul_ref, silu_and_mul_values
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.fp8_quant import QUANT_EPS, per_token_group_quant_fp8_ref, quantize_groups
 from vllm_moe_fixes.ops.triton_utils import INTERPRETING
+from vllm_moe_fixes.sizes import cdiv
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -92,8 +93,7 @@ def silu_and_mul_quant_fp8_triton(
     num_groups = x_q.shape[-1] // SCALE_BLOCK
     if experts == 0 or rows_per_expert == 0 or num_groups == 0:
         return
-    grid = ((rows_per_expert + block_m - 1) // block_m,
-            (num_groups + groups_per_prog - 1) // groups_per_prog, experts)
+    grid = (cdiv(rows_per_expert, block_m), cdiv(num_groups, groups_per_prog), experts)
     _silu_and_mul_quant_fp8_kernel[grid](
         x, x_q, x_s, expert_num_tokens, rows_per_expert, num_groups,
         x_e, x.stride(-2), q_e, x_q.stride(-2), s_e, x_s.stride(-2), x_s.stride(-1), QUANT_EPS,
