@@ -10,12 +10,8 @@ from _layer import check_close, make_problem, reference, run
 
 from vllm_moe_fixes._compat import deep_gemm as compat
 from vllm_moe_fixes.fused_moe.batched_experts import BatchedDeepGemmExperts, BatchedTritonExperts
-from vllm_moe_fixes.fused_moe.modular_kernel import (
-    ActivationFormat,
-    FusedMoEModularKernel,
-    PrepareAndFinalize,
-    PrepareResult,
-)
+from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, PrepareAndFinalize, PrepareResult
+from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import quant_batched_fp8
 from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_masked_ref

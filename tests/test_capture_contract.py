@@ -35,8 +35,8 @@ from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
+    DeepEPV2PrepareAndFinalize,
 )
-from vllm_moe_fixes.fused_moe.deepep_v2_prepare_finalize import DeepEPV2PrepareAndFinalize
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 

@@ -18,7 +18,7 @@ from vllm_moe_fixes._compat import deep_ep as deep_ep_compat
 from vllm_moe_fixes.distributed import deepep_v2_sizing as v2
 from vllm_moe_fixes.distributed.buffers import clear_all2all_buffers, make_all2all_buffer
 from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
-from vllm_moe_fixes.fused_moe.deepep_v2_prepare_finalize import DeepEPV2PrepareAndFinalize
+from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import DeepEPV2PrepareAndFinalize
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.testing import moe_reference, random_fp8_moe_weights, rel_err
 

@@ -15,7 +15,7 @@ from test_torch_buffer import make_problem
 
 from vllm_moe_fixes.distributed.torch_elastic_buffer import TorchElasticBuffer
 from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
-from vllm_moe_fixes.fused_moe.deepep_v2_prepare_finalize import DeepEPV2PrepareAndFinalize
+from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import DeepEPV2PrepareAndFinalize
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.testing import moe_reference, random_fp8_moe_weights, rel_err

@@ -11,7 +11,8 @@ import torch
 from _layer import RecordingNoEP, check_close, make_problem, new_kernel, reference, run, ws_ptrs
 
 from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts
-from vllm_moe_fixes.fused_moe.modular_kernel import ActivationFormat, Experts, FusedMoEModularKernel
+from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts
+from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8

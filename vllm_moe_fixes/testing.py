@@ -1,6 +1,7 @@
 """What tests, benchmarks and users of the layer share: random block-FP8 layer weights, the
-float32 reference of a whole MoE layer, the unfused torch path over the same ops (the benchmarks'
-anchor), the accuracy metrics they are judged by, and a kernel count.
+float32 reference of a whole MoE layer (fused_moe.reference's, handed on), the unfused torch
+path over the same ops (the benchmarks' anchor), the accuracy metrics they are judged by, and a
+kernel count.
 
     w1, w1_scale, w2, w2_scale = random_fp8_moe_weights(num_experts, K, I, generator=g)
     out = kernel(x, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale, w2_scale=w2_scale)
@@ -18,7 +19,8 @@ from typing import NamedTuple
 import torch
 
 from vllm_moe_fixes.ops.activation import silu_and_mul
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, dequant_block_fp8
+from vllm_moe_fixes.fused_moe.reference import moe_reference
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 from vllm_moe_fixes.ops.permute import build_contiguous_layout_ref
@@ -75,44 +77,7 @@ def random_fp8_moe_weights(num_experts: int, hidden_size: int, intermediate_size
     return Fp8MoEWeights(w1, w1_scale, w2, w2_scale)
 
 
-# ------------------------------------------------------------------------- the layer's reference
-
-def moe_reference(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, w1_scale: torch.Tensor,
-                  w2_scale: torch.Tensor, expert_map: torch.Tensor | None = None,
-                  apply_router_weight_on_input: bool = False) -> torch.Tensor:
-    """float32 reference of one MoE layer: no activation quantisation, plain loops over experts.
-
-    Args: as FusedMoEModularKernel.__call__ (hidden_states [M, K] any float dtype; w1 fp8
-    [E_l, 2I, K], w2 fp8 [E_l, K, I] with 128x128 block scales; topk_* [M, k]; expert_map int32
-    [E] global -> local or -1, or None).
-
-    Returns float32 [M, K] = sum_j w[:, j] * (silu(x Wg^T) * (x Wu^T)) W2^T of expert ids[:, j],
-    a slot whose expert is not local contributing zero.
-    """
-    x = hidden_states.float()
-    M, K = x.shape
-    local_num_experts, two_i, _ = w1.shape
-    I = two_i // 2
-    out = torch.zeros(M, K, dtype=torch.float32, device=x.device)
-    ids = topk_ids.to(torch.int64)
-    weights = topk_weights.float()
-    if apply_router_weight_on_input:
-        x = x * weights  # k == 1
-        weights = torch.ones_like(weights)
-    local_ids = ids if expert_map is None else \
-        torch.where(ids >= 0, expert_map.to(torch.int64)[ids.clamp(min=0)], -1)
-    for e in range(local_num_experts):
-        token, slot = (local_ids == e).nonzero(as_tuple=True)
-        if token.numel() == 0:
-            continue
-        w1_e = dequant_block_fp8(w1[e], w1_scale[e])
-        w2_e = dequant_block_fp8(w2[e], w2_scale[e])
-        h = x[token] @ w1_e.t()
-        y = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ w2_e.t()
-        out.index_add_(0, token, y * weights[token, slot].unsqueeze(1))
-    return out
-
+# ------------------------------------------------------------------------- the unfused layer
 
 def unfused_moe_layer(x: torch.Tensor, weights: Fp8MoEWeights | tuple, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, gemm) -> torch.Tensor:

@@ -9,8 +9,8 @@ from vllm_moe_fixes.fused_moe.batched_experts import (
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
+    DeepEPV2PrepareAndFinalize,
 )
-from vllm_moe_fixes.fused_moe.deepep_v2_prepare_finalize import DeepEPV2PrepareAndFinalize
 from vllm_moe_fixes.fused_moe.contiguous_experts import (
     DeepGemmExperts,
     TritonExperts,
@@ -24,17 +24,17 @@ from vllm_moe_fixes.fused_moe.kernel_factory import (
     make_prepare_finalize,
     select_experts_for,
 )
-from vllm_moe_fixes.fused_moe.modular_kernel import (
+from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     Experts,
-    FusedMoEModularKernel,
     PrepareAndFinalize,
     PrepareResult,
 )
+from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.fused_moe.reference import moe_reference
 from vllm_moe_fixes.fused_moe.routing import fused_topk
 from vllm_moe_fixes.fused_moe.workspaces import Workspaces
-from vllm_moe_fixes.testing import moe_reference
 
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
            "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize",

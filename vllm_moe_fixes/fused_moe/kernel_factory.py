@@ -30,14 +30,10 @@ from vllm_moe_fixes.fused_moe.contiguous_experts import select_experts
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
+    DeepEPV2PrepareAndFinalize,
 )
-from vllm_moe_fixes.fused_moe.deepep_v2_prepare_finalize import DeepEPV2PrepareAndFinalize
-from vllm_moe_fixes.fused_moe.modular_kernel import (
-    ActivationFormat,
-    Experts,
-    FusedMoEModularKernel,
-    PrepareAndFinalize,
-)
+from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts, PrepareAndFinalize
+from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.workspaces import Workspaces
 

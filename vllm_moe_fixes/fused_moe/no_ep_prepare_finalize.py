@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_moe_fixes.fused_moe.modular_kernel import (
+from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     PrepareAndFinalize,
     PrepareResult,

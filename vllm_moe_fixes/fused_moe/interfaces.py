@@ -1,0 +1,156 @@
+"""The two roles a modular MoE layer is built from, and what passes between them.
+
+A `PrepareAndFinalize` quantises (and, with expert parallelism, dispatches) a layer's input and
+later combines the experts' output; an `Experts` runs the grouped GEMMs on what prepare produced
+(`PrepareResult`), in the layout both declare (`ActivationFormat`). `FusedMoEModularKernel`
+(modular_kernel.py) pairs one of each; the implementations live in role-named files
+(no_ep_prepare_finalize.py, deepep_prepare_finalize.py, contiguous_experts.py,
+batched_experts.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+class ActivationFormat(enum.Enum):
+    """STANDARD: one row per token [M', K]. BATCHED: one slice per local expert [E_l, T, K]."""
+
+    STANDARD = "standard"
+    BATCHED = "batched"
+
+
+@dataclass
+class PrepareResult:
+    """What prepare hands to the experts.
+
+    a1q: float8_e4m3fn, STANDARD [M', K] / BATCHED [E_l, T, K].
+    a1q_scale: float32 [M', K/128] / [E_l, T, K/128] (any strides).
+    topk_ids: STANDARD: int32/int64 [M', k] GLOBAL expert ids, -1 = not on this rank; None =
+        keep the caller's. The kernel passes these to the experts and to finalize.
+    topk_weights: STANDARD: float32 [M', k] (0 where the id is -1); None = keep the caller's.
+    expert_num_tokens: BATCHED: int32 [E_l] valid rows per expert slice; None for STANDARD.
+    """
+
+    a1q: torch.Tensor
+    a1q_scale: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+    expert_num_tokens: torch.Tensor | None = None
+
+
+class PrepareAndFinalize(ABC):
+    """Quantise/dispatch before the experts, weight/reduce/combine after them.
+
+    passes_reduced_output_through: True when finalize has nothing to do with an output the
+    experts already reduced (no combine): the kernel then lets such experts write the layer's
+    output directly, and finalize receives that same tensor.
+    """
+
+    activation_format: ActivationFormat = ActivationFormat.STANDARD
+    passes_reduced_output_through: bool = False
+
+    @abstractmethod
+    def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                num_experts: int, expert_map: torch.Tensor | None,
+                apply_router_weight_on_input: bool) -> PrepareResult:
+        """a1: bf16 [M, K] (M may be 0: a rank with fewer tokens runs empty chunks so that the
+        collectives match); topk_weights: float32 [M, k]; topk_ids: int32 or int64 [M, k] global
+        ids (-1: no expert); num_experts: global expert count E; expert_map: int32 [E] global ->
+        local id or -1, or None; apply_router_weight_on_input: scale a1 by the (k == 1) weight
+        before quantising."""
+
+    @abstractmethod
+    def finalize(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 apply_router_weight_on_input: bool, *, output_is_reduced: bool = False) -> None:
+        """Write output bf16 [M, K] (this chunk's tokens of the caller).
+
+        output_is_reduced is keyword-only and new in this signature: a subclass whose finalize
+        does not take it still runs, with experts that do not reduce (the kernel then calls it
+        without the keyword); the kernel refuses to pair it with reducing experts, whose output
+        such a finalize would sum a second time.
+
+        fused_expert_output: STANDARD: [M', K] already weighted and summed over the k slots when
+        output_is_reduced (the experts' `reduces_output`; it may be `output` itself when
+        passes_reduced_output_through), else [M', k, K] one row per slot, unreduced (slots with
+        id -1 exact zeros; may be modified in place). BATCHED: [E_l, T, K] (output_is_reduced is
+        False). topk_weights / topk_ids are PrepareResult's when it gave them, else the caller's.
+        apply_router_weight_on_input: the weights went on the input; an unreduced output is then
+        summed without them.
+        """
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        """Upper bound on tokens per rank per call (sizes batched layouts), or None."""
+        return None
+
+    def num_dispatchers(self) -> int:
+        """Ranks that send tokens to this one."""
+        return 1
+
+    def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None,
+                   *, capturing: bool = False) -> int:
+        """Passes of the experts for a call of num_tokens tokens, at most chunk_size per pass.
+
+        Every rank of an expert-parallel group must return the same number (each pass is one
+        dispatch and one combine); a rank with fewer tokens runs empty passes. capturing: a CUDA
+        graph capture is under way (nothing may be read on the host). Default: one rank
+        cdiv(num_tokens, chunk_size), whatever max_tokens_across_ranks says (there is nobody to
+        keep in step with); several, cdiv(max_tokens_across_ranks, chunk_size) when the caller
+        gives the group's maximum, else one pass (no count is agreed without a collective: an
+        expert-parallel subclass overrides this).
+        """
+        if self.num_dispatchers() == 1:
+            return -(-num_tokens // chunk_size)
+        if max_tokens_across_ranks is not None:
+            return -(-max_tokens_across_ranks // chunk_size)
+        return 1
+
+    def check_capturable(self) -> None:
+        """Raise ValueError when a pass cannot be captured in a CUDA graph (the kernel calls this
+        before anything of a captured call runs). Default: it can."""
+
+
+class Experts(ABC):
+    """Grouped FP8 expert GEMMs: GEMM1 (w1) -> SiLU(gate) * up -> GEMM2 (w2).
+
+    reduces_output: True when apply also weights and sums each token's k slots (STANDARD only):
+    out_shape is then [M', K] and finalize gets output_is_reduced=True.
+    """
+
+    activation_format: ActivationFormat = ActivationFormat.STANDARD
+    reduces_output: bool = False
+
+    @abstractmethod
+    def workspace_shapes(self, M: int, I: int, K: int, topk: int,
+                         local_num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...],
+                                                          tuple[int, ...]]:
+        """Element shapes (ws13, ws2, out) of the bf16 workspaces and of the experts' output.
+
+        M: rows of a1q (STANDARD) or T, rows per expert slice (BATCHED); I: intermediate size
+        (w1 [E_l, 2I, K], w2 [E_l, K, I]); K: hidden size; topk: k; local_num_experts: E_l.
+        """
+
+    @abstractmethod
+    def apply(self, output: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor,
+              w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor, w2_scale: torch.Tensor,
+              topk_ids: torch.Tensor | None, expert_map: torch.Tensor | None, activation: str,
+              workspace13: torch.Tensor, workspace2: torch.Tensor,
+              expert_num_tokens: torch.Tensor | None, *, topk_weights: torch.Tensor | None = None,
+              expected_m: int | None = None) -> None:
+        """Write output (out_shape, bf16): a view of the start of workspace13's storage, or the
+        layer's output when the experts reduce and finalize passes it through.
+
+        a1q / a1q_scale: PrepareResult's; w1 fp8 [E_l, 2I, K], w1_scale f32 [E_l, 2I/128, K/128],
+        w2 fp8 [E_l, K, I], w2_scale f32 [E_l, K/128, I/128]; topk_ids int32/int64 [M', k] global
+        ids (STANDARD); expert_map int32 [E] or None; activation "silu"; workspace13 / workspace2
+        bf16 views of the declared shapes (contents undefined on entry); expert_num_tokens int32
+        [E_l] (BATCHED); topk_weights float32 [M', k] to weight the slots by when the experts
+        reduce (None: plain sum, the weights went on the input); expected_m: average rows per
+        local expert the dispatch can produce (BATCHED tiling hint), None = unknown.
+        STANDARD: slots of non-local experts contribute exact zeros.
+        """
