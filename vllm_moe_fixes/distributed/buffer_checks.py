@@ -4,7 +4,8 @@
 The buffer calls them at the top of each public method, with the sizes it knows (rank count,
 what a handle recorded); the handles' own types are checked by the buffer. Value checks (ids in
 range, counts against masks) read the device: ``checks_values`` says when they run. The checks
-of every call format their messages only on failure.
+of every call format their messages only on failure: a message with values is built under its
+``if``, and ``check(cond, msg)`` takes only constant strings (its argument is built every call).
 """
 
 from __future__ import annotations
@@ -64,24 +65,26 @@ def check_topk(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
 def check_rows(x, scales) -> None:
     """dispatch's x: contiguous [T, H] with rows of a multiple of 16 bytes; with scales, x is
     float8_e4m3fn and scales float32 [T, S]."""
-    check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_contiguous(),
-          f"x must be a contiguous [T, H] tensor; got {describe(x)}")
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_contiguous()):
+        raise ValueError(f"x must be a contiguous [T, H] tensor; got {describe(x)}")
     if (x.shape[1] * x.element_size()) % 16:
         raise ValueError(f"x must be [T, H] with rows of a multiple of 16 bytes; "
                          f"got {describe(x)}")
     if scales is not None:
-        check(x.dtype == FP8_DTYPE, f"with scales, x must be float8_e4m3fn; got {x.dtype}")
+        if x.dtype != FP8_DTYPE:
+            raise ValueError(f"with scales, x must be float8_e4m3fn; got {x.dtype}")
         check_tensor("x scales", scales, torch.float32, 2, contiguous=False)
-        check(scales.shape[0] == x.shape[0],
-              f"x scales must have {x.shape[0]} rows (one per token); got {list(scales.shape)}")
+        if scales.shape[0] != x.shape[0]:
+            raise ValueError(f"x scales must have {x.shape[0]} rows (one per token); got "
+                             f"{list(scales.shape)}")
 
 
 def check_cached_dispatch(x, topk_idx, topk_weights, num_tokens: int) -> None:
     """A dispatch with a handle made for ``num_tokens`` tokens: no routing, the same tokens."""
     check(topk_idx is None and topk_weights is None,
           "dispatch with a cached handle takes no topk_idx/topk_weights")
-    check(x.shape[0] == num_tokens,
-          f"x has {x.shape[0]} tokens but the handle was made for {num_tokens}")
+    if x.shape[0] != num_tokens:
+        raise ValueError(f"x has {x.shape[0]} tokens but the handle was made for {num_tokens}")
 
 
 def check_layout(t: int, num_ranks: int, num_tokens_per_rank, is_token_in_rank,
@@ -92,27 +95,33 @@ def check_layout(t: int, num_ranks: int, num_tokens_per_rank, is_token_in_rank,
     for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
                         ("is_token_in_rank", is_token_in_rank),
                         ("num_tokens_per_expert", num_tokens_per_expert)):
-        check(value is not None,
-              f"dispatch without a handle needs {name} (from get_dispatch_layout)")
+        if value is None:
+            raise ValueError(f"dispatch without a handle needs {name} (from "
+                             f"get_dispatch_layout)")
     check_tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2)
-    check(tuple(is_token_in_rank.shape) == (t, r), f"is_token_in_rank must be [{t}, {r}] "
-          f"(tokens, ranks); got {list(is_token_in_rank.shape)}")
+    if tuple(is_token_in_rank.shape) != (t, r):
+        raise ValueError(f"is_token_in_rank must be [{t}, {r}] (tokens, ranks); got "
+                         f"{list(is_token_in_rank.shape)}")
     check_tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1)
-    check(num_tokens_per_rank.shape[0] == r,
-          f"num_tokens_per_rank must be [{r}]; got {list(num_tokens_per_rank.shape)}")
+    if num_tokens_per_rank.shape[0] != r:
+        raise ValueError(f"num_tokens_per_rank must be [{r}]; got "
+                         f"{list(num_tokens_per_rank.shape)}")
     check_tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1)
     local_num_experts = check_experts_per_rank(num_tokens_per_expert.numel(), r)
     most = sizing.NUM_MAX_LOCAL_EXPERTS
-    check(local_num_experts <= most, f"num_tokens_per_expert gives {local_num_experts} experts "
-          f"per rank; DeepEP's dispatch takes at most {most}")
+    if local_num_experts > most:
+        raise ValueError(f"num_tokens_per_expert gives {local_num_experts} experts per rank; "
+                         f"DeepEP's dispatch takes at most {most}")
     check((topk_idx is None) == (topk_weights is None),
           "topk_idx and topk_weights go together: pass both or neither")
     if topk_idx is not None:
         check_topk(topk_idx, num_tokens_per_expert.numel(), r)
-        check(topk_idx.shape[0] == t, f"topk_idx has {topk_idx.shape[0]} tokens, x has {t}")
+        if topk_idx.shape[0] != t:
+            raise ValueError(f"topk_idx has {topk_idx.shape[0]} tokens, x has {t}")
         check_tensor("topk_weights", topk_weights, torch.float32, 2)
-        check(topk_weights.shape == topk_idx.shape, f"topk_weights must be "
-              f"{list(topk_idx.shape)} like topk_idx; got {list(topk_weights.shape)}")
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"topk_weights must be {list(topk_idx.shape)} like topk_idx; got "
+                             f"{list(topk_weights.shape)}")
     return local_num_experts
 
 
@@ -121,19 +130,22 @@ def check_combine(x, topk_weights, bias, num_recv_tokens: int, num_tokens: int) 
     received, bias of the T = num_tokens dispatched tokens."""
     t_recv, t = num_recv_tokens, num_tokens
     check_tensor("x", x, torch.bfloat16, 2)
-    check(x.shape[0] == t_recv,
-          f"x must be [{t_recv}, H] (the received token count); got {list(x.shape)}")
+    if x.shape[0] != t_recv:
+        raise ValueError(f"x must be [{t_recv}, H] (the received token count); got "
+                         f"{list(x.shape)}")
     if topk_weights is not None:
         check_tensor("topk_weights", topk_weights, torch.float32, 2)
-        check(topk_weights.shape[0] == t_recv,
-              f"topk_weights must have {t_recv} rows; got {list(topk_weights.shape)}")
+        if topk_weights.shape[0] != t_recv:
+            raise ValueError(f"topk_weights must have {t_recv} rows; got "
+                             f"{list(topk_weights.shape)}")
     biases = bias if isinstance(bias, tuple) else (bias,)
-    check(len(biases) <= 2, f"bias takes at most two tensors; got {len(biases)}")
+    if len(biases) > 2:
+        raise ValueError(f"bias takes at most two tensors; got {len(biases)}")
     for b in biases:
         if b is not None:
             check_tensor("bias", b, x.dtype, 2)
-            check(tuple(b.shape) == (t, x.shape[1]),
-                  f"bias must be [{t}, {x.shape[1]}]; got {list(b.shape)}")
+            if tuple(b.shape) != (t, x.shape[1]):
+                raise ValueError(f"bias must be [{t}, {x.shape[1]}]; got {list(b.shape)}")
 
 
 # ------------------------------------------------------------------------------ low-latency mode
@@ -183,16 +195,18 @@ def check_recv_stats(stats, local_num_experts: int) -> None:
     if stats is not None:
         name = "cumulative_local_expert_recv_stats"
         check_tensor(name, stats, torch.int32, 1)
-        check(stats.shape[0] == local_num_experts,
-              f"{name} must be [{local_num_experts}] (E_local); got {list(stats.shape)}")
+        if stats.shape[0] != local_num_experts:
+            raise ValueError(f"{name} must be [{local_num_experts}] (E_local); got "
+                             f"{list(stats.shape)}")
 
 
 def check_wait_stats(name: str, stats, num_ranks: int) -> None:
     """A wait-cost statistics tensor: None or int64 [R] contiguous."""
     if stats is not None:
         check_tensor(name, stats, torch.int64, 1)
-        check(stats.shape[0] == num_ranks, f"{name} must be [{num_ranks}] (one "
-              f"per rank); got {list(stats.shape)}")
+        if stats.shape[0] != num_ranks:
+            raise ValueError(f"{name} must be [{num_ranks}] (one per rank); got "
+                             f"{list(stats.shape)}")
 
 
 def check_ll_combine(x, topk_idx, topk_weights, out, *, x_shape: tuple[int, int, int], n: int,
