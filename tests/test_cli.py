@@ -10,7 +10,10 @@ import time
 
 import pytest
 
-from vllm_moe_fixes import cli
+from vllm_moe_fixes import cli, envs
+from vllm_moe_fixes.cli import bench as cli_bench
+from vllm_moe_fixes.cli import check as cli_check
+from vllm_moe_fixes.cli import demo as cli_demo
 from vllm_moe_fixes.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,7 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in cli.envs.REGISTRY:
+    for name in envs.REGISTRY:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -26,7 +29,7 @@ def test_check(capsys):
     assert main(["check"]) == 0
     out = capsys.readouterr().out
     for word in ("torch", "triton", "deep_ep", "deep_gemm", "experts:", "all-to-all:",
-                 *cli.envs.REGISTRY):
+                 *envs.REGISTRY):
         assert word in out
 
 
@@ -38,7 +41,7 @@ def test_check_bad_env_value(monkeypatch, capsys):
 
 
 def test_check_unavailable_backend_is_a_problem(monkeypatch, capsys):
-    if cli._optional("deep_ep")[0]:
+    if cli_check._optional("deep_ep")[0]:
         pytest.skip("deep_ep is installed here")
     monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "deepep_low_latency")
     assert main(["check"]) == 2
@@ -46,7 +49,7 @@ def test_check_unavailable_backend_is_a_problem(monkeypatch, capsys):
 
 
 def test_check_subprocess():
-    env = {k: v for k, v in os.environ.items() if k not in cli.envs.REGISTRY}
+    env = {k: v for k, v in os.environ.items() if k not in envs.REGISTRY}
     res = subprocess.run([sys.executable, "-m", "vllm_moe_fixes", "check"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -132,7 +135,7 @@ def test_closed_pipe_exits_141_quietly():
     """``plan ... | head``: the reader is gone before plan writes (read end closed up front)."""
     read_end, write_end = os.pipe()
     os.close(read_end)
-    env = {k: v for k, v in os.environ.items() if k not in cli.envs.REGISTRY}
+    env = {k: v for k, v in os.environ.items() if k not in envs.REGISTRY}
     try:
         res = subprocess.run([sys.executable, "-m", "vllm_moe_fixes", "plan", "--model",
                               "deepseek-r1", "--dp", "8"], cwd=REPO, env=env, stdout=write_end,
@@ -149,7 +152,7 @@ def test_demo_single_process(capsys):
 
 
 def test_demo_fails_when_check_fails(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "DEMO_TOLERANCE", 0.0)
+    monkeypatch.setattr(cli_demo, "DEMO_TOLERANCE", 0.0)
     assert main(["demo", "--reps", "0", "--tokens", "5", "--hidden", "256", "--experts", "4",
                  "--topk", "2", "--intermediate", "128"]) == 1
     assert "FAIL" in capsys.readouterr().out
@@ -175,14 +178,14 @@ def test_demo_bad_arguments(argv, match, capsys):
 
 
 def test_demo_deepep_backend_without_deepep_is_an_environment_error(monkeypatch, capsys):
-    if cli._optional("deep_ep")[0]:
+    if cli_check._optional("deep_ep")[0]:
         pytest.skip("deep_ep is installed here")
     monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "deepep_high_throughput")
     assert main(["demo", "--world-size", "2", "--cpu"]) == 2
     assert "needs DeepEP" in capsys.readouterr().err
 
 
-_REAL_RUN_LAYER = cli._run_layer
+_REAL_RUN_LAYER = cli_demo._run_layer
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -194,7 +197,7 @@ def test_demo_error_while_running_exits_1(world_size, monkeypatch, capsys):
             raise RuntimeError("injected kernel failure")
         return _REAL_RUN_LAYER(args, rank, world_size, device)
 
-    monkeypatch.setattr(cli, "_run_layer", fail)  # ranks are forked: they see the patch
+    monkeypatch.setattr(cli_demo, "_run_layer", fail)  # ranks are forked: they see the patch
     start = time.perf_counter()
     assert main(["demo", "--world-size", str(world_size), "--cpu", "--reps", "0", "--tokens", "8",
                  "--hidden", "256", "--intermediate", "128", "--experts", "4", "--topk", "2"]) == 1
@@ -294,25 +297,25 @@ with open(os.path.join(os.path.dirname(__file__), "ran.json"), "w") as f:
                                               ("all2all", 2, ["--world-size", "2"])])
 def test_bench_runs_the_module_from_the_package_parent(area, gpus, argv, tmp_path, monkeypatch):
     _fake_gpus(monkeypatch, gpus)
-    monkeypatch.setattr(cli, "_plot", lambda bench_dir: True)
+    monkeypatch.setattr(cli_bench, "_plot", lambda bench_dir: True)
     package = tmp_path / "benchpkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / f"{cli.BENCH_AREAS[area]}.py").write_text(_RECORDER)
+    (package / f"{cli_bench.BENCH_AREAS[area]}.py").write_text(_RECORDER)
     assert main(["bench", "--only", area, "--dir", str(package)]) == 0
     ran = json.loads((package / "ran.json").read_text())
     assert ran == {"name": "__main__", "argv": argv, "cwd": str(tmp_path)}
-    assert (package / "results" / f"{cli.BENCH_AREAS[area]}.log").is_file()
+    assert (package / "results" / f"{cli_bench.BENCH_AREAS[area]}.log").is_file()
 
 
 def test_bench_areas_are_the_repo_benchmark_modules():
-    for module in cli.BENCH_AREAS.values():
+    for module in cli_bench.BENCH_AREAS.values():
         assert os.path.isfile(os.path.join(REPO, "benchmarks", f"{module}.py")), module
 
 
 def test_bench_missing_script_is_a_failure(tmp_path, monkeypatch, capsys):
     _fake_gpus(monkeypatch, 1)
-    monkeypatch.setattr(cli, "_plot", lambda bench_dir: True)
+    monkeypatch.setattr(cli_bench, "_plot", lambda bench_dir: True)
     assert main(["bench", "--dir", str(tmp_path)]) == 1  # no script at all
     out = capsys.readouterr().out
     assert "bench_quant.py not found" in out and "FAILED" in out and "failed: quant" in out
@@ -367,15 +370,15 @@ def test_demo_routes_a_deepseek_preset_with_grouped_topk():
 
     args = argparse.Namespace(model="deepseek-v3", experts=16, topk=4, hidden=256,
                               intermediate=128, seed=3)
-    cli._apply_demo_model(args)
+    cli_demo._apply_demo_model(args)
     assert (args.experts, args.topk, args.routing) == (256, 8, PRESETS["deepseek-v3"])
-    *_, weights, ids = cli._demo_problem(args, 64)
+    *_, weights, ids = cli_demo._demo_problem(args, 64)
     groups_per_token = [len(set((row // 32).tolist())) for row in ids]
     assert max(groups_per_token) <= 4
     assert torch.allclose(weights.sum(1), torch.full((64,), 2.5))  # renormalised, times 2.5
     args.model = None
-    cli._apply_demo_model(args)
-    *_, ids = cli._demo_problem(args, 64)
+    cli_demo._apply_demo_model(args)
+    *_, ids = cli_demo._demo_problem(args, 64)
     assert max(len(set((row // 32).tolist())) for row in ids) > 4
 
 

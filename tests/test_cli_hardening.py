@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from vllm_moe_fixes import cli
+from vllm_moe_fixes import envs
 from vllm_moe_fixes.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ _WITHOUT_TORCH = textwrap.dedent("""
 
 
 def _clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in cli.envs.REGISTRY}
+    env = {k: v for k, v in os.environ.items() if k not in envs.REGISTRY}
     env.update(extra)
     return env
 
@@ -47,7 +47,7 @@ def _without_torch(*argv):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in cli.envs.REGISTRY:
+    for name in envs.REGISTRY:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -59,7 +59,7 @@ def test_check_without_torch_says_what_is_missing():
     assert re.search(r"^torch\s+not installed", res.stdout, re.M), res.stdout
     assert "problems:" in res.stdout and "pip install torch" in res.stdout
     # what needs no torch is still reported
-    for word in ("python", "deep_ep", "deep_gemm", *cli.envs.REGISTRY):
+    for word in ("python", "deep_ep", "deep_gemm", *envs.REGISTRY):
         assert word in res.stdout
 
 
