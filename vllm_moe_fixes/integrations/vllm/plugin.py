@@ -156,6 +156,9 @@ def make_prepare_finalize(moe_config, routing_tables=None):
     cfg = moe_config.moe_parallel_config
     if not cfg.use_all2all_kernels:
         return pfs.VllmNoEPPrepareAndFinalize()
+    from vllm_moe_fixes.integrations.vllm import data_parallel  # DP + EP on CPU: its module
+    if data_parallel.takes_over(cfg):
+        return data_parallel.make_data_parallel_prepare_finalize(moe_config)
     from vllm.distributed import get_ep_group
 
     manager = get_ep_group().device_communicator.all2all_manager

@@ -71,6 +71,9 @@ def parallel_config_problem(cfg: FusedMoEParallelConfig, batched: bool) -> str |
             "the batched experts pair with vLLM's deepep_low_latency all-to-all only")
     if cfg.use_deepep_ll_kernels:
         return "deepep_low_latency takes the batched experts"
+    from vllm_moe_fixes.integrations.vllm import data_parallel  # DP + EP on CPU: its module
+    if data_parallel.takes_over(cfg):
+        return data_parallel.dp_ep_problem(cfg)
     standard_all2all = cfg.use_deepep_ht_kernels or getattr(cfg, "use_deepep_v2_kernels", False)
     if cfg.use_passthrough_all2all or (cfg.use_all2all_kernels and not standard_all2all):
         return (f"all2all_backend={cfg.all2all_backend!r} is not served (ours: one rank, "

