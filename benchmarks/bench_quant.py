@@ -3,7 +3,7 @@ silu_and_mul_quant_fp8 on the GPU.
 
 Run from the repo root:  python -m benchmarks.bench_quant [--only quant|fused] [--sweep]
 
-Quant: for each M in 256, 4096, 16384, 65536 (K = 7168) it times, in the same run:
+Quant: for each M in 1, 256, 4096, 16384, 65536 (K = 7168) it times, in the same run:
   us / GB/s            the public op, eager (do_bench; includes host time when the host is slower
                        than the kernel, which is the case at small M)
   graph_us / graph_GB/s  the public op under CUDA-graph replay (16 calls per graph, per call):
@@ -11,7 +11,9 @@ Quant: for each M in 256, 4096, 16384, 65536 (K = 7168) it times, in the same ru
   tma_us, tma_graph_us the same with the TMA-aligned column-major scales DeepGEMM wants
   launcher_us          the Triton launcher alone, eager (no validation or allocation)
   host_us, launcher_host_us  host time per call of the public op / the launcher (launch loop:
-                       back-to-back calls, GPU left behind): Python + Triton's launch path
+                       back-to-back calls, GPU left behind): Python + the launch path
+  jit_us, jit_host_us  the kernel launched through Triton's `kernel[grid](...)` on every call
+                       (the launch path before the cached launcher; do_bench / launch loop)
   torch_ref_us         the torch eager reference on the GPU
   copy_us              (graph replay) a device-to-device copy moving the same number of bytes
                        (half read, half written: the bandwidth ceiling)
@@ -58,6 +60,7 @@ from vllm_moe_fixes.ops.fp8_quant import (
     QUANT_EPS,
     QUANT_GROUPS_PER_PROG,
     QUANT_NUM_WARPS,
+    _per_token_group_quant_fp8_kernel,
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_ref,
     per_token_group_quant_fp8_triton,
@@ -72,7 +75,10 @@ from vllm_moe_fixes.ops.silu_mul_quant import (
 from vllm_moe_fixes.sizes import ROW_ALIGNMENT
 
 K = 7168
-MS = (256, 4096, 16384, 65536)
+MS = (1, 256, 4096, 16384, 65536)
+# vLLM 0.33's CUDA per_token_group_fp8_quant, do_bench on the same H200 (figures.md, Dec 1-2):
+# its compiled ops cannot be carried to the device, so the anchor is the recorded figure.
+VLLM_CUDA_US = {1: 5.2, 256: 8.3}
 DEFAULT = {"block_m": QUANT_BLOCK_M, "groups_per_prog": QUANT_GROUPS_PER_PROG,
            "num_warps": QUANT_NUM_WARPS}
 
@@ -103,6 +109,16 @@ def _launcher(x, q, s):
     per_token_group_quant_fp8_triton(x, q, s, SCALE_BLOCK, QUANT_EPS, False)
 
 
+def _jit_launch(x, q, s):
+    """The same kernel and config launched through Triton's JIT entry on every call."""
+    M, num_groups = s.shape
+    grid = (-(-M // QUANT_BLOCK_M), -(-num_groups // QUANT_GROUPS_PER_PROG))
+    _per_token_group_quant_fp8_kernel[grid](
+        x, q, s, M, num_groups, x.stride(0), s.stride(0), s.stride(1), QUANT_EPS,
+        GROUP=SCALE_BLOCK, BLOCK_M=QUANT_BLOCK_M, GROUPS_PER_PROG=QUANT_GROUPS_PER_PROG,
+        UE8M0=False, ROUND_IN_FP32=False, num_warps=QUANT_NUM_WARPS)
+
+
 def _quant(sweep_configs):
     """The quant table (and sweep rows when sweep_configs)."""
     rows, sweep = [], []
@@ -114,6 +130,7 @@ def _quant(sweep_configs):
         t_tma = bench_us(_tma, sets)
         g_tma = graph_us(_tma, sets)
         t_launch = bench_us(_launcher, sets)
+        t_jit = bench_us(_jit_launch, sets)
         t_ref = bench_us(
             lambda x, q, s: per_token_group_quant_fp8_ref(x, SCALE_BLOCK, QUANT_EPS, False),
             sets[:2], rep=50)
@@ -123,8 +140,10 @@ def _quant(sweep_configs):
             "us": t_row, "GB/s": gbps(nbytes, t_row),
             "graph_us": g_row, "graph_GB/s": gbps(nbytes, g_row),
             "tma_us": t_tma, "tma_graph_us": g_tma, "tma_graph_GB/s": gbps(nbytes, g_tma),
-            "launcher_us": t_launch,
+            "launcher_us": t_launch, "jit_us": t_jit,
             "host_us": host_us(_row_major, sets), "launcher_host_us": host_us(_launcher, sets),
+            "jit_host_us": host_us(_jit_launch, sets),
+            "tma_host_us": host_us(_tma, sets), "vllm_cuda_us_recorded": VLLM_CUDA_US.get(M),
             "torch_ref_us": t_ref, "x_vs_torch": t_ref / g_row,
             "copy_us": t_copy, "copy_GB/s": gbps(nbytes, t_copy), "frac_of_copy": t_copy / g_row,
         })

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_moe_fixes.ops import fp8_quant as fq
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX
 from vllm_moe_fixes.ops.fp8_quant import (
     per_token_group_quant_fp8,
@@ -429,3 +430,74 @@ def test_quant_batched_fp8_into_given_buffers():
     assert got_q.data_ptr() == q.data_ptr() and got_s is s_mn
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(got_s, want_s)
+
+
+# ---------------------------------------------------------------- the cached launch path
+
+def test_int_class_separates_what_triton_specialises():
+    """1 (a constant), multiples of 16 (a divisibility hint), others, and 64-bit values each get
+    their own class; values Triton compiles alike share one."""
+    classes = {v: fq._int_class(v) for v in (1, 2, 7, 16, 7168, 2**31 - 1, 2**31, 2**31 + 1)}
+    assert classes[2] == classes[7] == classes[2**31 - 1]
+    assert classes[16] == classes[7168]
+    assert len({classes[1], classes[2], classes[16], classes[2**31], classes[2**31 + 1]}) == 5
+
+
+class _FakeCompiled:
+    def __init__(self):
+        self.function, self.packed_metadata, self.launches = "fn", "meta", []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _FakeKernel:
+    """Stands in for a @triton.jit kernel: kernel[grid](*args) records and returns a compiled
+    kernel, as Triton's JIT entry does."""
+
+    def __init__(self):
+        self.jit_launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps):
+            self.jit_launches.append((grid, args, num_warps))
+            return _FakeCompiled()
+        return launch
+
+
+def test_launch_compiled_reuses_the_kernel_of_its_key(monkeypatch):
+    """First launch of a key through Triton; later ones through the compiled kernel's launcher
+    with the grid, the current stream and every argument; a new key or an installed launch hook
+    goes through Triton again."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device,
+                        raising=False)
+    kernel, cache = _FakeKernel(), {}
+    fq._launch_compiled(kernel, cache, (0, "a"), (2, 3, 1), ("x", 5), 8)
+    assert kernel.jit_launches == [((2, 3, 1), ("x", 5), 8)]
+    compiled = cache[(0, "a")]
+    fq._launch_compiled(kernel, cache, (0, "a"), (4, 3, 1), ("y", 6), 8)
+    assert len(kernel.jit_launches) == 1
+    assert compiled.launches == [(4, 3, 1, 1000, "fn", "meta", None, None, None, "y", 6)]
+    fq._launch_compiled(kernel, cache, (1, "a"), (4, 3, 1), ("y", 6), 8)
+    assert len(kernel.jit_launches) == 2 and (1, "a") in cache
+    monkeypatch.setattr(fq, "_hooked", lambda: True)
+    fq._launch_compiled(kernel, cache, (0, "a"), (4, 3, 1), ("y", 6), 8)
+    assert len(kernel.jit_launches) == 3 and len(compiled.launches) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launches_keep_every_specialisation():
+    """Launches that Triton specialises differently (M of 1, a multiple of 16 or neither; a row
+    stride not a multiple of 16; a base not 16-byte aligned; scales row- or column-major), in an
+    order that would reuse a wrong kernel if the key missed one, all give the reference's bits."""
+    wide = _make_x((80, 7168 + 8), device="cuda", seed=11)
+    cases = [wide[:1, :7168], wide[:32, :7168], wide[:33, :7168], wide[:16, 8:7176],
+             wide[1:34, 1:7169], _make_x((48, 7168), device="cuda", seed=12), wide[:1, :7168]]
+    for i, x in enumerate(cases * 2):
+        M = x.shape[0]
+        x_q = torch.full((M, 7168), 0x7F, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
+        x_s = _scales_buffer(M, 56, ("row", "col", "tma")[i % 3], "cuda")
+        per_token_group_quant_fp8_triton(x, x_q, x_s, 128, 1e-10, False)
+        ref_q, ref_s = per_token_group_quant_fp8_ref(x, 128, 1e-10, False)
+        assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8)), i
+        assert torch.equal(x_s, ref_s), i

@@ -30,12 +30,15 @@ both devices (`tl.math.div_rn` in Triton, whose plain fp32 `/` is approximate).
 
 Host cost matters as much as the kernel for small M (decode): the public op validates with plain
 attribute reads, allocates at most two tensors, reshapes only inputs that are not already 2-D and
-launches with a fixed config, so it adds a few microseconds of Python to Triton's own launch.
+launches through `_launch_compiled`, which calls the kernel Triton compiled for the same
+specialisation directly. Triton's own `kernel[grid](...)` re-binds every argument, hashes a cache
+key and reads its option knobs on every call, which was most of the ~50 us a small-M call took.
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from vllm_moe_fixes.ops.fp8 import (
     FP8_DTYPE,
@@ -132,12 +135,59 @@ def per_token_group_quant_fp8_triton(
     if groups_per_prog is None:
         groups_per_prog = (QUANT_GROUPS_PER_PROG if num_groups >= QUANT_GROUPS_PER_PROG
                            else next_power_of_2(num_groups))
-    grid = (cdiv(M, block_m), cdiv(num_groups, groups_per_prog))
-    _per_token_group_quant_fp8_kernel[grid](
-        x, x_q, x_s, M, num_groups, x.stride(0), x_s.stride(0), x_s.stride(1), eps,
-        GROUP=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog,
-        UE8M0=use_ue8m0, ROUND_IN_FP32=round_in_fp32, num_warps=num_warps,
-    )
+    grid = (cdiv(M, block_m), cdiv(num_groups, groups_per_prog), 1)
+    x_row_stride, (s_row_stride, s_group_stride) = x.stride(0), x_s.stride()
+    # The kernel's arguments in its signature order, constexprs included (Triton's launcher takes
+    # them all and skips the constexprs). eps as a float: an int eps would be specialised.
+    args = (x, x_q, x_s, M, num_groups, x_row_stride, s_row_stride, s_group_stride, float(eps),
+            group_size, block_m, groups_per_prog, use_ue8m0, round_in_fp32)
+    if INTERPRETING:
+        _per_token_group_quant_fp8_kernel[grid](*args, num_warps=num_warps)
+        return
+    key = (torch.cuda.current_device(), x.dtype, x_q.dtype, x_s.dtype,
+           x.data_ptr() % 16, x_q.data_ptr() % 16, x_s.data_ptr() % 16,
+           _int_class(M), _int_class(num_groups), _int_class(x_row_stride),
+           _int_class(s_row_stride), _int_class(s_group_stride), *args[9:], num_warps)
+    _launch_compiled(_per_token_group_quant_fp8_kernel, _COMPILED_QUANT, key, grid, args,
+                     num_warps)
+
+
+# ---------------------------------------------------------------- launch without Triton's binder
+# `kernel[grid](*args)` re-derives the specialisation of every argument, hashes a cache key,
+# reads Triton's option knobs and builds launch metadata on each call: tens of microseconds of
+# host time, the whole cost of a small-M quant. The first launch of a specialisation goes through
+# it and returns the CompiledKernel; later launches with the same specialisation call that
+# kernel's launcher directly, as Triton itself does after its cache lookup (triton 3.6 and 3.9).
+# The caller builds the key from what Triton's specialisation reads of the arguments: tensor
+# dtypes and 16-byte alignment, `_int_class` of each integer, the constexprs, num_warps and the
+# device. Option knobs read from the environment (TRITON_DEBUG, ...) are those of the first launch
+# of each key. While a launch hook is installed (a profiler), every launch goes through Triton so
+# that the hook sees it.
+_COMPILED_QUANT: dict[tuple, object] = {}
+
+
+def _int_class(v: int) -> int:
+    """What Triton's specialisation reads of a non-negative integer argument: equal to 1 (then a
+    compile-time constant), a multiple of 16 (a divisibility hint), or needing 64 bits."""
+    return (v == 1) + 2 * (v % 16 == 0) + 4 * (v >= 2**31)
+
+
+def _hooked() -> bool:
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)
+
+
+def _launch_compiled(kernel, cache: dict, key: tuple, grid: tuple, args: tuple,
+                     num_warps: int) -> None:
+    """Launch `kernel` on `grid` (3 ints) with `args` (every parameter, in signature order) on
+    the current CUDA stream: through Triton the first time `key` is seen, then through the
+    CompiledKernel that launch returned. key[0] is the current device's index."""
+    compiled = cache.get(key)
+    if compiled is None or _hooked():
+        cache[key] = kernel[grid](*args, num_warps=num_warps)
+        return
+    compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(key[0]),
+                 compiled.function, compiled.packed_metadata, None, None, None, *args)
 
 
 # ---------------------------------------------------------------- references

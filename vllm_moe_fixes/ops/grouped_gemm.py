@@ -39,7 +39,17 @@ from vllm_moe_fixes.sizes import cdiv
 # Block configuration
 # ----------------------------------------------------------------------------------------------
 # A config is a dict with the keys of DEFAULT_CONFIG: BLOCK_M, BLOCK_N (tile), GROUP_M (M tiles
-# per L2 swizzle group), num_warps, num_stages. BLOCK_K is SCALE_BLOCK (one scale per K block).
+# per L2 swizzle group), num_warps, num_stages, IMPRECISE_ACC, WARP_SPECIALIZE. BLOCK_K is
+# SCALE_BLOCK (one scale per K block).
+#
+# IMPRECISE_ACC: how many K elements Hopper's FP8 tensor cores sum in their own accumulator before
+# the partial sum is added in float32. Their FP8 accumulator keeps only about 14 mantissa bits, and
+# Triton's default on SM90 (max_num_imprecise_acc = 2**30) leaves a whole 128-wide scale block
+# there (the 4 wgmma steps of K = 32); 32 or 64 adds each wgmma step's (or pair's) partial in
+# float32 (`tl.dot`'s max_num_imprecise_acc). 0 keeps Triton's default. Other GPUs and the
+# interpreter accumulate in float32 throughout and ignore it.
+# WARP_SPECIALIZE: Triton's automatic warp specialisation of the K loop (producer / consumer
+# partitions; triton 3.6 implements it for Hopper).
 # BLOCK_M must divide ROW_ALIGNMENT = 128 (a tile never spans two experts' segments); BLOCK_N is
 # a power of two up to 256 (a TMA box dimension; it then divides SCALE_BLOCK or is 256: a tile
 # never splits a weight-scale block).
@@ -53,7 +63,8 @@ from vllm_moe_fixes.sizes import cdiv
 # Default: 0.98 of the per-shape best (geometric mean) of 30 configs in the H200 sweep whose
 # table is benchmarks/results/grouped_gemm_config_h200.txt; the masked kernel shares the main loop
 # and the TMA operand shapes, so it takes the same default.
-DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, num_warps=4, num_stages=3)
+DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, num_warps=4, num_stages=3,
+                      IMPRECISE_ACC=0, WARP_SPECIALIZE=False)
 
 
 def default_config() -> dict:
@@ -72,6 +83,8 @@ def _resolve_config(config: dict | None) -> dict:
         raise ValueError(f"config: BLOCK_M must divide 128 (16/32/64/128), got {cfg['BLOCK_M']}")
     if cfg["BLOCK_N"] not in (16, 32, 64, 128, 256):
         raise ValueError(f"config: BLOCK_N must be 16/32/64/128/256, got {cfg['BLOCK_N']}")
+    if cfg["IMPRECISE_ACC"] not in (0, 32, 64, 128):
+        raise ValueError(f"config: IMPRECISE_ACC must be 0/32/64/128, got {cfg['IMPRECISE_ACC']}")
     return cfg
 
 
@@ -169,7 +182,8 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
                       stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk,
                       a_desc, w_desc, a_row, w_row,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      TMA: tl.constexpr):
+                      TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                      WARP_SPECIALIZE: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = sum over K blocks of dot(A_blk, W_blk^T) * a_s * w_s.
 
     `rows` / `cols` are int64 indices already clamped into range (no masks in the loop); scale
@@ -187,7 +201,7 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
     else:
         w_s_ptrs = w_s_ptr + (cols // BLOCK_K) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in tl.range(0, K // BLOCK_K):
+    for kb in tl.range(0, K // BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         if TMA:
             a = a_desc.load([a_row, kb * BLOCK_K])
             w = w_desc.load([w_row, kb * BLOCK_K]).T
@@ -196,7 +210,10 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
             w = tl.load(w_ptrs)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        part = tl.dot(a, w)
+        if IMPRECISE_ACC == 0:
+            part = tl.dot(a, w)
+        else:
+            part = tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_ACC)
         a_s = tl.load(a_s_ptrs + kb * stride_ask)
         if BLOCK_N <= BLOCK_K:
             acc += part * (a_s * tl.load(w_s_ptrs + kb * stride_wsk))[:, None]
@@ -211,7 +228,8 @@ def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N,
                        stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
                        a_desc, w_desc,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, TMA: tl.constexpr):
+                       GROUP_M: tl.constexpr, TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                       WARP_SPECIALIZE: tl.constexpr):
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -224,7 +242,7 @@ def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N,
                                 rows, cols, K, stride_am, stride_asm, stride_ask,
                                 stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
                                 pid_m * BLOCK_M, expert * N + pid_n * BLOCK_N,
-                                BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
         # Trailing -1 rows of the expert's last tile are padding: exact zeros.
         row_experts = tl.load(m_idx_ptr + offs_m, mask=offs_m < M, other=-1)
         acc = tl.where((row_experts == expert)[:, None], acc, 0.0)
@@ -242,7 +260,8 @@ def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, 
                    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                    stride_oe, stride_om, a_desc, w_desc,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, TMA: tl.constexpr):
+                   GROUP_M: tl.constexpr, TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                   WARP_SPECIALIZE: tl.constexpr):
     e = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     valid = tl.minimum(tl.load(masked_m_ptr + e), T)
@@ -258,7 +277,7 @@ def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, 
                                 stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
                                 (e * T + pid_m * BLOCK_M).to(tl.int32),
                                 (e * N + pid_n * BLOCK_N).to(tl.int32),
-                                BLOCK_M, BLOCK_N, BLOCK_K, TMA)
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
         out_ptrs = out_ptr + e * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
         out_mask = (offs_m[:, None] < valid) & (offs_n[None, :] < N)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
