@@ -371,6 +371,8 @@ def test_contiguous_validation_config_and_device():
         grouped_fp8_gemm_masked(**_masked_args(), config=dict(BLOCK_N=192))
     with pytest.raises(ValueError, match="BLOCK_N"):
         grouped_fp8_gemm_masked(**_masked_args(), config=dict(BLOCK_N=384))
+    with pytest.raises(ValueError, match="IMPRECISE_ACC"):
+        grouped_fp8_gemm_contiguous(**_contiguous_args(), config=dict(IMPRECISE_ACC=16))
     args = _contiguous_args()
     args["m_indices"] = args["m_indices"].to("meta")
     with pytest.raises(ValueError, match="device"):
@@ -418,7 +420,9 @@ def test_contiguous_gpu(segments, N, K, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
-                                                num_stages=4, GROUP_M=8)], ids=["default", "m128"])
+                                                num_stages=4, GROUP_M=8),
+                                    dict(IMPRECISE_ACC=32), dict(IMPRECISE_ACC=64)],
+                         ids=["default", "m128", "acc32", "acc64"])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer-fallback"])
 def test_tma_and_fallback_gpu(config, tma):
     segments, N, K = [1024, 700, 1, 0, 513], 4096, 7168 - 128
