@@ -25,7 +25,7 @@ from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts
 from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, mn_major_scales_view
 from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_masked_ref,
     grouped_fp8_gemm_masked_triton,
@@ -41,9 +41,8 @@ def _make_views(ws13: torch.Tensor, ws2: torch.Tensor, local_num_experts: int, t
     h = ws13.view(-1)[:rows * 2 * I].view(local_num_experts, t, 2 * I)
     ws = ws2.view(-1).view(torch.uint8)
     g_q = ws[:rows * I].view(FP8_DTYPE).view(local_num_experts, t, I)
-    groups = I // SCALE_BLOCK
-    g_s = ws[rows * I:rows * I + rows * groups * 4].view(torch.float32)
-    return h, g_q, g_s.view(local_num_experts, groups, t).transpose(1, 2)
+    g_s = mn_major_scales_view(ws2, rows * I, (local_num_experts, t, I // SCALE_BLOCK))
+    return h, g_q, g_s
 
 
 def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, local_num_experts: int, t: int,

@@ -46,7 +46,7 @@ from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts
 from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, mn_major_scales_view
 from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_contiguous_ref,
     grouped_fp8_gemm_contiguous_triton,
@@ -80,7 +80,7 @@ def _fp8_with_mn_major_scales(ws: torch.Tensor, rows: int, cols: int):
     """fp8 [rows, cols] at the start of ws, then float32 scales [rows, cols/128] with strides
     (1, rows) right after (rows is a multiple of 128, so the scales are 16-byte aligned)."""
     q = _byte_view(ws, 0, (rows, cols), FP8_DTYPE)
-    s = _byte_view(ws, rows * cols, (cols // SCALE_BLOCK, rows), torch.float32).t()
+    s = mn_major_scales_view(ws, rows * cols, (rows, cols // SCALE_BLOCK))
     return q, s
 
 

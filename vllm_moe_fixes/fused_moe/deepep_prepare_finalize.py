@@ -64,6 +64,7 @@ from vllm_moe_fixes.fused_moe.interfaces import (
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, quant_batched_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
+from vllm_moe_fixes.sizes import cdiv
 
 
 def weighted_input(a1: torch.Tensor, topk_weights: torch.Tensor, on_input: bool) -> torch.Tensor:
@@ -146,7 +147,7 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
           every rank: ValueError naming max_tokens_across_ranks when num_tokens > chunk_size.
         """
         if self._num_dispatchers == 1:
-            return -(-num_tokens // chunk_size)
+            return cdiv(num_tokens, chunk_size)
         group = getattr(self.buffer, "group", None)
         if max_tokens_across_ranks is None:
             if capturing:
@@ -163,7 +164,7 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
         elif chunk_size not in self._agreed_chunk_sizes and not capturing:
             group_max_tokens(group, 0, chunk_size)
             self._agreed_chunk_sizes.add(chunk_size)
-        return -(-max_tokens_across_ranks // chunk_size)
+        return cdiv(max_tokens_across_ranks, chunk_size)
 
     def _take_pending(self):
         if self._pending is None:

@@ -40,6 +40,7 @@ import triton.language as tl
 from vllm_moe_fixes import envs
 from vllm_moe_fixes._validate import check, check_positive_int
 from vllm_moe_fixes.ops.triton_utils import next_power_of_2
+from vllm_moe_fixes.sizes import cdiv
 
 __all__ = ["grouped_topk", "grouped_topk_ref", "grouped_topk_triton"]
 
@@ -174,7 +175,7 @@ def grouped_topk_triton(gating_output: torch.Tensor, topk_weights: torch.Tensor,
     block_m = block_m or max(1, _ELEMENTS_PER_PROGRAM // (g_pad * s_pad))
     has_bias = e_score_correction_bias is not None
     bias = e_score_correction_bias if has_bias else topk_weights
-    _grouped_topk_kernel[(triton.cdiv(M, block_m),)](
+    _grouped_topk_kernel[(cdiv(M, block_m),)](
         gating_output, bias, topk_weights, topk_ids, M, float(routed_scaling_factor),
         *gating_output.stride(), bias.stride(0) if has_bias else 0, *topk_weights.stride(),
         *topk_ids.stride(),

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_moe_fixes.sizes import cdiv
+
 
 class ActivationFormat(enum.Enum):
     """STANDARD: one row per token [M', K]. BATCHED: one slice per local expert [E_l, T, K]."""
@@ -105,9 +107,9 @@ class PrepareAndFinalize(ABC):
         expert-parallel subclass overrides this).
         """
         if self.num_dispatchers() == 1:
-            return -(-num_tokens // chunk_size)
+            return cdiv(num_tokens, chunk_size)
         if max_tokens_across_ranks is not None:
-            return -(-max_tokens_across_ranks // chunk_size)
+            return cdiv(max_tokens_across_ranks, chunk_size)
         return 1
 
     def check_capturable(self) -> None:

@@ -38,7 +38,7 @@ from vllm_moe_fixes.fused_moe.interfaces import (
 )
 from vllm_moe_fixes.fused_moe.kernel_checks import check_finite, check_layer_call
 from vllm_moe_fixes.fused_moe.workspaces import Workspaces
-from vllm_moe_fixes.sizes import expected_rows_per_expert
+from vllm_moe_fixes.sizes import cdiv, expected_rows_per_expert
 
 
 def stream_is_capturing() -> bool:
@@ -188,7 +188,7 @@ class FusedMoEModularKernel:
         if capacity is not None:
             chunk = min(chunk, capacity)
         num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks, capturing=capturing)
-        step = max(chunk, -(-M // num_chunks)) if num_chunks else chunk
+        step = max(chunk, cdiv(M, num_chunks)) if num_chunks else chunk
         output = torch.empty_like(hidden_states)
         if num_chunks == 1:  # one pass takes the whole tensors (no slice views to build)
             self._run_chunk(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
