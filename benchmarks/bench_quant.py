@@ -72,7 +72,7 @@ from vllm_moe_fixes.ops.silu_mul_quant import (
     silu_and_mul_quant_fp8,
     silu_and_mul_quant_fp8_triton,
 )
-from vllm_moe_fixes.sizes import ROW_ALIGNMENT
+from vllm_moe_fixes.sizes import ROW_ALIGNMENT, cdiv
 
 K = 7168
 MS = (1, 256, 4096, 16384, 65536)
@@ -112,7 +112,7 @@ def _launcher(x, q, s):
 def _jit_launch(x, q, s):
     """The same kernel and config launched through Triton's JIT entry on every call."""
     M, num_groups = s.shape
-    grid = (-(-M // QUANT_BLOCK_M), -(-num_groups // QUANT_GROUPS_PER_PROG))
+    grid = (cdiv(M, QUANT_BLOCK_M), cdiv(num_groups, QUANT_GROUPS_PER_PROG))
     _per_token_group_quant_fp8_kernel[grid](
         x, q, s, M, num_groups, x.stride(0), s.stride(0), s.stride(1), QUANT_EPS,
         GROUP=SCALE_BLOCK, BLOCK_M=QUANT_BLOCK_M, GROUPS_PER_PROG=QUANT_GROUPS_PER_PROG,
