@@ -22,6 +22,7 @@ from abc import abstractmethod
 import torch
 
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
+from vllm_moe_fixes.fused_moe.experts_op import apply_in_graph
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts
 from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
@@ -83,6 +84,14 @@ class BatchedExperts(Experts):
         output bf16 [E_l, T, K] (valid rows written). expected_m: rows per expert the caller
         expects on average (the masked GEMM's tiling hint), None = T. topk_ids, expert_map and
         topk_weights are not needed: the combine after the experts weights and reduces."""
+        if torch.compiler.is_compiling():  # one opaque op in the traced graph (experts_op)
+            apply_in_graph(self, output=output, a1q=a1q, a1q_scale=a1q_scale, w1=w1, w2=w2,
+                           w1_scale=w1_scale, w2_scale=w2_scale, topk_ids=topk_ids,
+                           expert_map=expert_map, activation=activation,
+                           workspace13=workspace13, workspace2=workspace2,
+                           expert_num_tokens=expert_num_tokens, topk_weights=topk_weights,
+                           expected_m=expected_m)
+            return
         if activation != "silu":  # (tests/test_ep_kernel.py calls apply directly)
             raise ValueError(f"activation must be 'silu', got {activation!r}")
         if expert_num_tokens is None:

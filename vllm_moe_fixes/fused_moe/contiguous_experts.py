@@ -43,6 +43,7 @@ import torch
 
 from vllm_moe_fixes import envs
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
+from vllm_moe_fixes.fused_moe.experts_op import apply_in_graph
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts
 from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
@@ -177,6 +178,14 @@ class ContiguousExperts(Experts):
 
         M tokens are taken in passes of at most tokens_per_pass() (module docstring); the
         workspaces are those workspace_shapes declares for M."""
+        if torch.compiler.is_compiling():  # one opaque op in the traced graph (experts_op)
+            apply_in_graph(self, output=output, a1q=a1q, a1q_scale=a1q_scale, w1=w1, w2=w2,
+                           w1_scale=w1_scale, w2_scale=w2_scale, topk_ids=topk_ids,
+                           expert_map=expert_map, activation=activation,
+                           workspace13=workspace13, workspace2=workspace2,
+                           expert_num_tokens=expert_num_tokens, topk_weights=topk_weights,
+                           expected_m=expected_m)
+            return
         M = topk_ids.shape[0]
         step = self.tokens_per_pass()
         if M <= step:
