@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 
+import torch
 import torch.distributed as dist
 from vllm.platforms import current_platform
 
@@ -70,6 +71,33 @@ def dp_ep_problem(cfg) -> str | None:
     if cfg.pcp_size > 1:
         return f"prefill context parallel {cfg.pcp_size} is not served"
     return None
+
+
+def register() -> None:
+    """Rebind ``MoERunner._select_forward`` (once per process) so that a layer this module serves
+    forwards through vLLM's opaque custom op ``torch.ops.vllm.moe_forward`` (as vLLM does off CPU)
+    instead of the direct call vLLM picks on CPU: under vLLM's compiled mode torch dynamo traces
+    the direct call, and cannot trace a dispatch whose receive size is read on the host. Inside
+    the op the layer runs eagerly; dynamo sees its fake (an output shaped as the input)."""
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    runner = moe_runner.MoERunner
+    vllm_select = getattr(runner, "_select_forward", None)
+    if vllm_select is None:
+        logger.warning("vllm_moe_fixes: this vLLM's MoERunner has no _select_forward: data "
+                       "parallel + EP runs only with --enforce-eager")
+        return
+    if getattr(vllm_select, "_vllm_moe_fixes", False):
+        return
+
+    def _select_forward(self):
+        if dp_ep_problem(self.moe_config.moe_parallel_config) is None:
+            ops = torch.ops.vllm
+            return ops.moe_forward if self._shared_experts is None else ops.moe_forward_shared
+        return vllm_select(self)
+
+    _select_forward._vllm_moe_fixes = True
+    runner._select_forward = _select_forward
 
 
 def _buffer_for(group: dist.ProcessGroup) -> TorchAll2AllBuffer:

@@ -48,6 +48,8 @@ def register() -> None:
         return
     fp8_method.select_fp8_moe_backend = _wrap_selector(fp8_method.select_fp8_moe_backend)
     fp8_method.make_fp8_moe_kernel = _wrap_kernel_builder(fp8_method.make_fp8_moe_kernel)
+    from vllm_moe_fixes.integrations.vllm import data_parallel
+    data_parallel.register()  # DP + EP on CPU: the layers' forward as vLLM's opaque custom op
     logger.info("vllm_moe_fixes: block-FP8 FusedMoE layers will run vllm_moe_fixes kernels "
                 "where they serve the layer (VLLM_MOE_FIXES=1)")
 
