@@ -23,9 +23,25 @@ if TYPE_CHECKING:  # torch is imported where a buffer is built: planning needs o
 _BUFFERS: dict[tuple, Any] = {}
 
 
-def _group_size(group) -> int:
+def all2all_backend(backend: str | None) -> str:
+    """``backend``, checked to be one of ``envs.ALL2ALL_BACKENDS``; None: VLLM_ALL2ALL_BACKEND
+    (which its parser checks)."""
+    if backend is None:
+        return envs.VLLM_ALL2ALL_BACKEND
+    if backend not in envs.ALL2ALL_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not known; allowed: "
+                         f"{', '.join(envs.ALL2ALL_BACKENDS)}")
+    return backend
+
+
+def group_size_and_rank(group, name: str = "group") -> tuple[int, int]:
+    """(rank count, this rank) of a torch.distributed process group (None: the default group);
+    ValueError naming ``name`` unless torch.distributed is initialised and group is one."""
     import torch.distributed as dist
-    return dist.get_world_size(group)
+    if not (dist.is_initialized() and (group is None or isinstance(group, dist.ProcessGroup))):
+        raise ValueError(f"{name} must be None or a torch.distributed ProcessGroup (with the "
+                         f"process group initialised), got {type(group).__name__}")
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
@@ -58,15 +74,11 @@ def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
     ``ImportError`` (naming VLLM_ALL2ALL_BACKEND and DeepEP) when a DeepEP backend lacks deep_ep
     or finds the other DeepEP generation installed (``_compat.deep_ep.require``).
     """
-    if backend is None:
-        backend = envs.VLLM_ALL2ALL_BACKEND
-    if backend not in envs.ALL2ALL_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known; allowed: "
-                         f"{', '.join(envs.ALL2ALL_BACKENDS)}")
+    backend = all2all_backend(backend)
     for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
                         ("num_experts", num_experts)):
         check_positive_int(name, value)
-    num_ranks = _group_size(group)
+    num_ranks = group_size_and_rank(group)[0]
     check_experts_per_rank(num_experts, num_ranks)
 
     if backend == "naive":

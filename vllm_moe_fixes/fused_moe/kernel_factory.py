@@ -13,25 +13,37 @@ the activation format that prepare/finalize produces and VLLM_USE_DEEP_GEMM.
                                                                            DeepGemmExperts
     (the DeepGEMM class of each pair with VLLM_USE_DEEP_GEMM=1)
 
+The table is `prepare_finalize_wiring` (backend -> prepare/finalize class and arguments) and
+`experts_for_format` (format + VLLM_USE_DEEP_GEMM -> experts). The vLLM plugin asks the same two
+functions, with vLLM's all-to-all buffer and numbers as inputs, and maps only names.
+
 With a group of R ranks, rank r holds the E_l = E / R experts [r*E_l, (r+1)*E_l) (DeepEP's
 placement): give the kernel those experts' weights and `local_expert_map(ep_group, E)`.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from vllm_moe_fixes import envs
+from vllm_moe_fixes._compat import deep_ep
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
-from vllm_moe_fixes.distributed.buffers import make_all2all_buffer
-from vllm_moe_fixes.fused_moe.batched_experts import select_batched_experts
-from vllm_moe_fixes.fused_moe.contiguous_experts import select_experts
+from vllm_moe_fixes.distributed.buffers import (
+    all2all_backend,
+    group_size_and_rank,
+    make_all2all_buffer,
+)
+from vllm_moe_fixes.fused_moe.batched_experts import BatchedDeepGemmExperts, BatchedTritonExperts
+from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
     DeepEPV2PrepareAndFinalize,
 )
+from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts, PrepareAndFinalize
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
@@ -82,45 +94,108 @@ def make_prepare_finalize(ep_group: dist.ProcessGroup | None, *, hidden_size: in
                           backend: str | None = None,
                           low_latency: bool | None = None) -> PrepareAndFinalize:
     """The prepare/finalize of `make_moe_kernel` (same arguments): NoEPPrepareAndFinalize without
-    a group; else DeepEPHT-, DeepEPLL- or DeepEPV2PrepareAndFinalize over `make_all2all_buffer`'s
-    buffer for (ep_group, backend, N, K, E), built once per group and sizes."""
+    a group; else the class `prepare_finalize_wiring` picks, over `make_all2all_buffer`'s buffer
+    for (ep_group, backend, N, K, E), built once per group and sizes."""
     check_positive_int("hidden_size", hidden_size)
     check_positive_int("num_experts", num_experts)
     if ep_group is None:
         return NoEPPrepareAndFinalize()
-    num_ranks, rank = _group_size_and_rank(ep_group)
-    local_num_experts = check_experts_per_rank(num_experts, num_ranks)
-    if backend is None:
-        backend = envs.VLLM_ALL2ALL_BACKEND
-    low_latency = _check_mode(backend, low_latency)
+    num_ranks, rank = group_size_and_rank(ep_group, "ep_group")
+    backend = all2all_backend(backend)
     if max_tokens_per_rank is None:
         max_tokens_per_rank = envs.VLLM_MOE_DP_CHUNK_SIZE
+    wiring = prepare_finalize_wiring(backend, num_ranks=num_ranks, rank=rank,
+                                     num_experts=num_experts,
+                                     max_tokens_per_rank=max_tokens_per_rank,
+                                     low_latency=low_latency)
     buffer = make_all2all_buffer(backend, ep_group, max_tokens_per_rank=max_tokens_per_rank,
                                  hidden=hidden_size, num_experts=num_experts)
+    return wiring.build(buffer)
+
+
+class PrepareFinalizeWiring(NamedTuple):
+    """One prepare/finalize as `prepare_finalize_wiring` decides it: its class and the keyword
+    arguments it takes after the buffer. `build(buffer)` makes it; an engine adapter that wraps
+    the class takes the same arguments."""
+
+    cls: type[PrepareAndFinalize]
+    kwargs: dict[str, Any]
+
+    def build(self, buffer=None) -> PrepareAndFinalize:
+        """``cls(buffer, **kwargs)``; NoEPPrepareAndFinalize takes no buffer."""
+        if self.cls is NoEPPrepareAndFinalize:
+            return self.cls(**self.kwargs)
+        return self.cls(buffer, **self.kwargs)
+
+
+def prepare_finalize_wiring(backend: str | None, *, num_ranks: int = 1, rank: int = 0,
+                            num_experts: int, max_tokens_per_rank: int | None = None,
+                            low_latency: bool | None = None,
+                            buffer=None) -> PrepareFinalizeWiring:
+    """Which prepare/finalize serves an all-to-all backend, and with which arguments: the one
+    wiring table of this library and of its engine integrations.
+
+    Args:
+        backend: None (no all-to-all: one rank, or expert parallelism inside tensor
+            parallelism), "naive", "deepep_high_throughput", "deepep_low_latency" or "deepep_v2".
+        num_ranks: R, the ranks of the expert-parallel group; rank: this rank in it.
+        num_experts: E, global, a multiple of R (rank r holds experts [r*E_l, (r+1)*E_l)).
+        max_tokens_per_rank: N, the most tokens one rank passes to a dispatch (low-latency and
+            V2; None for V2: the buffer's own).
+        low_latency: as in `make_moe_kernel` (for deepep_v2: True dispatches without the CPU
+            sync, capturable); None: backend == "deepep_low_latency".
+        buffer: the buffer the prepare/finalize will run over, where the caller has it (an
+            engine's all-to-all manager's): deepep_v2 takes the ids in the dtype of the buffer
+            (DeepEP V2's ``topk_idx_t``, int64 for the torch stand-in).
+
+    Raises ValueError for a backend or mode that does not exist, or E not a multiple of R.
+    """
+    if backend is None:
+        return PrepareFinalizeWiring(NoEPPrepareAndFinalize, {})
+    low_latency = _check_mode(all2all_backend(backend), low_latency)
+    local_num_experts = check_experts_per_rank(num_experts, num_ranks)
+    placed = dict(num_dispatchers=num_ranks, rank_expert_offset=rank * local_num_experts)
     if backend == "deepep_v2":
-        from vllm_moe_fixes._compat.deep_ep import require
-        return DeepEPV2PrepareAndFinalize(
-            buffer, num_dispatchers=num_ranks, rank_expert_offset=rank * local_num_experts,
-            max_tokens_per_rank=max_tokens_per_rank, do_cpu_sync=not low_latency,
-            topk_idx_dtype=require(backend).topk_idx_t)
+        return PrepareFinalizeWiring(DeepEPV2PrepareAndFinalize, dict(
+            placed, max_tokens_per_rank=max_tokens_per_rank, do_cpu_sync=not low_latency,
+            topk_idx_dtype=_v2_ids_dtype(buffer)))
     if low_latency:
-        return DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=num_ranks,
-                                          max_tokens_per_rank=max_tokens_per_rank)
-    return DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=num_ranks,
-                                      rank_expert_offset=rank * local_num_experts)
+        return PrepareFinalizeWiring(DeepEPLLPrepareAndFinalize, dict(
+            num_dispatchers=num_ranks, max_tokens_per_rank=max_tokens_per_rank))
+    return PrepareFinalizeWiring(DeepEPHTPrepareAndFinalize, placed)
+
+
+def _v2_ids_dtype(buffer) -> torch.dtype:
+    """The dtype DeepEP V2 takes ids in (``deep_ep.topk_idx_t``, a build option); int64 for a
+    buffer that is not DeepEP V2's ElasticBuffer (the torch stand-in's)."""
+    if deep_ep.installed_version() == 2:
+        module = deep_ep.require("deepep_v2")
+        if buffer is None or isinstance(buffer, module.ElasticBuffer):
+            return module.topk_idx_t
+    return torch.int64
+
+
+# The experts of each activation format: (Triton, DeepGEMM), picked by VLLM_USE_DEEP_GEMM.
+_EXPERTS_OF_FORMAT = {ActivationFormat.STANDARD: (TritonExperts, DeepGemmExperts),
+                      ActivationFormat.BATCHED: (BatchedTritonExperts, BatchedDeepGemmExperts)}
 
 
 def select_experts_for(prepare_finalize: PrepareAndFinalize, intermediate_size: int,
                        hidden_size: int) -> Experts:
-    """The experts of prepare_finalize's activation format that VLLM_USE_DEEP_GEMM selects:
-    `select_experts` (standard) or `select_batched_experts` (batched), which raise for bad sizes
-    and for DeepGEMM asked for but missing."""
+    """The experts of prepare_finalize's activation format (`experts_for_format`)."""
     if not isinstance(prepare_finalize, PrepareAndFinalize):
         raise ValueError(f"prepare_finalize must be a PrepareAndFinalize, got "
                          f"{type(prepare_finalize).__name__}")
-    if prepare_finalize.activation_format == ActivationFormat.BATCHED:
-        return select_batched_experts(intermediate_size, hidden_size)
-    return select_experts(intermediate_size, hidden_size)
+    return experts_for_format(prepare_finalize.activation_format, intermediate_size, hidden_size)
+
+
+def experts_for_format(activation_format: ActivationFormat, intermediate_size: int,
+                       hidden_size: int) -> Experts:
+    """The experts of ``activation_format`` that VLLM_USE_DEEP_GEMM selects: TritonExperts or
+    DeepGemmExperts (standard), BatchedTritonExperts or BatchedDeepGemmExperts (batched), via
+    `select_experts_of`, which raises for bad sizes and for DeepGEMM asked for but missing."""
+    return select_experts_of(*_EXPERTS_OF_FORMAT[activation_format], intermediate_size,
+                             hidden_size)
 
 
 def local_expert_map(ep_group: dist.ProcessGroup | None, num_experts: int,
@@ -131,7 +206,7 @@ def local_expert_map(ep_group: dist.ProcessGroup | None, num_experts: int,
     check_positive_int("num_experts", num_experts)
     if ep_group is None:
         return None
-    num_ranks, rank = _group_size_and_rank(ep_group)
+    num_ranks, rank = group_size_and_rank(ep_group, "ep_group")
     local_num_experts = check_experts_per_rank(num_experts, num_ranks)
     expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
     first = rank * local_num_experts
@@ -140,18 +215,8 @@ def local_expert_map(ep_group: dist.ProcessGroup | None, num_experts: int,
     return expert_map
 
 
-def _group_size_and_rank(ep_group) -> tuple[int, int]:
-    if not (dist.is_initialized() and isinstance(ep_group, dist.ProcessGroup)):
-        raise ValueError(f"ep_group must be None or a torch.distributed ProcessGroup (with the "
-                         f"process group initialised), got {type(ep_group).__name__}")
-    return dist.get_world_size(ep_group), dist.get_rank(ep_group)
-
-
 def _check_mode(backend: str, low_latency: bool | None) -> bool:
-    """Whether the dispatch is low-latency; ValueError for a backend or a mode it lacks."""
-    if backend not in envs.ALL2ALL_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known; allowed: "
-                         f"{', '.join(envs.ALL2ALL_BACKENDS)}")
+    """Whether the dispatch is low-latency; ValueError for a mode the (known) backend lacks."""
     if low_latency is None:
         return backend == "deepep_low_latency"
     if not isinstance(low_latency, bool):

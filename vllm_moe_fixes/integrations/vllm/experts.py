@@ -235,3 +235,9 @@ class VllmBatchedDeepGemmExperts(_BatchedExperts):
             problem = (f"T = ep_size * max_num_tokens = {rows} rows per expert slice is not a "
                        f"multiple of {cls._ours.ROW_ALIGNMENT} (DeepGEMM's masked GEMM)")
         return problem
+
+
+# The plugin's name map: the experts the library's factory picks -> their adapter.
+ADAPTER_OF_EXPERTS = {cls._ours: cls for cls in (VllmTritonExperts, VllmDeepGemmExperts,
+                                                 VllmBatchedTritonExperts,
+                                                 VllmBatchedDeepGemmExperts)}

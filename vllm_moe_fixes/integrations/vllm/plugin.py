@@ -13,13 +13,17 @@ those two names in that module:
         our experts class    -> FusedMoEKernel(our P/F adapter for vLLM's parallel config, experts)
         otherwise            -> vLLM's own function, unchanged
 
-vLLM's configuration decides the wiring: no all-to-all -> ``VllmNoEPPrepareAndFinalize``;
-``--all2all-backend deepep_high_throughput`` / ``deepep_low_latency`` -> our DeepEP adapters over
-the ``deep_ep.Buffer`` vLLM's all2all manager built (checked against DeepEP's rules here, before
-the first forward); ``deepep_v2`` -> our V2 adapter over its ``deep_ep.ElasticBuffer``. This
-library's VLLM_USE_DEEP_GEMM (default 0) picks DeepGEMM or Triton experts. Other quantisation methods that import the selector (modelopt, compressed-tensors,
-online FP8) keep vLLM's kernels. vLLM 0.26 passes ``layer=`` to ``make_fp8_moe_kernel``: extra
-keywords pass through to vLLM's function.
+The plugin decides no wiring: it maps vLLM's names onto the library's factory
+(``fused_moe.kernel_factory``), which decides for this library and for vLLM alike. vLLM's
+parallel config -> our backend name (no all-to-all, ``deepep_high_throughput``,
+``deepep_low_latency``, ``deepep_v2``); the factory's ``prepare_finalize_wiring`` -> our
+prepare/finalize class and its arguments, over the buffer vLLM's all2all manager built (our
+DeepEP adapters check it against DeepEP's rules before the first forward); its
+``experts_for_format`` -> our experts class (layout, VLLM_USE_DEEP_GEMM); then our class ->
+its adapter (``ADAPTER_OF_PREPARE_FINALIZE``, ``ADAPTER_OF_EXPERTS``). Other quantisation
+methods that import the selector (modelopt, compressed-tensors, online FP8) keep vLLM's kernels.
+vLLM 0.26 passes ``layer=`` to ``make_fp8_moe_kernel``: extra keywords pass through to vLLM's
+function.
 """
 
 from __future__ import annotations
@@ -65,23 +69,22 @@ def experts_class_for(config, weight_key, activation_key):
     """(our experts adapter class, None) for a layer this library serves, else (None, reason).
 
     Arguments: vLLM's ``FusedMoEConfig`` and the layer's weight / activation ``QuantKey``.
-    With VLLM_USE_DEEP_GEMM=1 and DeepGEMM not usable here, raises what our own selector raises
+    The library's factory picks our experts class (``experts_for_format``: the layout vLLM's
+    parallel config implies, VLLM_USE_DEEP_GEMM); this maps it to its adapter. With
+    VLLM_USE_DEEP_GEMM=1 and DeepGEMM not usable here, raises what the factory raises
     (MissingLibraryError, an ImportError, naming VLLM_USE_DEEP_GEMM and DeepGEMM; RuntimeError on
     a GPU other than SM90) instead of silently running Triton.
     """
-    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-
-    from vllm_moe_fixes.integrations.vllm import experts as adapters
+    from vllm_moe_fixes.fused_moe import ActivationFormat, kernel_factory
+    from vllm_moe_fixes.integrations.vllm.experts import ADAPTER_OF_EXPERTS
 
     batched = config.moe_parallel_config.use_batched_activation_format
-    pair = ((adapters.VllmBatchedTritonExperts, adapters.VllmBatchedDeepGemmExperts) if batched
-            else (adapters.VllmTritonExperts, adapters.VllmDeepGemmExperts))
-    cls = pair[1] if envs.VLLM_USE_DEEP_GEMM else pair[0]
-    if envs.VLLM_USE_DEEP_GEMM:
-        cls._ours()  # our DeepGEMM experts raise their error where DeepGEMM cannot run
-    fmt = (mk.FusedMoEActivationFormat.BatchedExperts if batched
-           else mk.FusedMoEActivationFormat.Standard)
-    ok, reason = cls.is_supported_config(cls, config, weight_key, activation_key, fmt)
+    ours = kernel_factory.experts_for_format(
+        ActivationFormat.BATCHED if batched else ActivationFormat.STANDARD,
+        config.intermediate_size_per_partition, config.hidden_dim)
+    cls = ADAPTER_OF_EXPERTS[type(ours)]
+    ok, reason = cls.is_supported_config(cls, config, weight_key, activation_key,
+                                         cls.activation_format())
     if not ok:
         return None, f"{cls.__name__}: {reason}"
     reason = cls.unserved_reason(config)
@@ -150,48 +153,67 @@ def make_kernel(moe_quant_config, moe_config, experts_cls, routing_tables=None):
 
 
 def make_prepare_finalize(moe_config, routing_tables=None):
-    """Our prepare/finalize adapter for the all-to-all vLLM's parallel config asks for: none
-    (one rank, or expert parallelism inside tensor parallelism), DeepEP high-throughput or
-    low-latency over the buffer of vLLM's EP-group all2all manager."""
-    from vllm_moe_fixes.integrations.vllm import prepare_finalize as pfs
+    """Our prepare/finalize adapter for the all-to-all vLLM's parallel config asks for: the
+    library's factory (``prepare_finalize_wiring``) picks the class and its arguments from our
+    backend name, the buffer of vLLM's EP-group all2all manager and vLLM's numbers; this maps
+    the names (``_backend_of``, ``ADAPTER_OF_PREPARE_FINALIZE``) and asks vLLM for its buffer.
+    vLLM's routing tables (EPLB, round-robin placement) are refused: ours place expert g on
+    rank g // E_l."""
+    from vllm_moe_fixes.fused_moe import kernel_factory
+    from vllm_moe_fixes.integrations.vllm.prepare_finalize import ADAPTER_OF_PREPARE_FINALIZE
+    from vllm_moe_fixes.integrations.vllm.support import check_no_routing_tables
 
+    check_no_routing_tables(routing_tables)
     cfg = moe_config.moe_parallel_config
     if not cfg.use_all2all_kernels:
-        return pfs.VllmNoEPPrepareAndFinalize()
+        wiring = kernel_factory.prepare_finalize_wiring(None, num_experts=moe_config.num_experts)
+        return ADAPTER_OF_PREPARE_FINALIZE[wiring.cls].for_vllm_layer(moe_config, None,
+                                                                      **wiring.kwargs)
     from vllm_moe_fixes.integrations.vllm import data_parallel  # DP + EP on CPU: its module
     if data_parallel.takes_over(cfg):
         return data_parallel.make_data_parallel_prepare_finalize(moe_config)
     from vllm.distributed import get_ep_group
 
+    backend = _backend_of(cfg)
     manager = get_ep_group().device_communicator.all2all_manager
-    if cfg.use_deepep_ht_kernels:
-        return pfs.VllmDeepEPHTPrepareAndFinalize(
-            manager.get_handle({}), num_dispatchers=manager.world_size,
-            rank_expert_offset=manager.rank * moe_config.num_local_experts,
-            hidden=moe_config.hidden_dim, num_experts=moe_config.num_experts)
-    if cfg.use_deepep_ll_kernels:
-        tables = routing_tables if routing_tables is not None else (None, None, None)
-        buffer = manager.get_handle(dict(
-            max_num_tokens_per_dp_rank=moe_config.max_num_tokens,
-            token_hidden_size=moe_config.hidden_dim, num_ep_ranks=manager.world_size,
-            num_global_experts=moe_config.num_experts,
-            num_local_experts=moe_config.num_experts // manager.world_size))
-        return pfs.VllmDeepEPLLPrepareAndFinalize(
-            buffer, max_tokens_per_rank=moe_config.max_num_tokens,
-            num_dispatchers=manager.world_size, hidden=moe_config.hidden_dim,
-            num_experts=moe_config.num_experts, global_to_physical=tables[0],
-            physical_to_global=tables[1], local_expert_global_ids=tables[2])
-    if getattr(cfg, "use_deepep_v2_kernels", False):  # vLLM 0.32 and later
-        buffer = manager.get_handle(dict(
-            num_max_tokens_per_rank=moe_config.max_num_tokens, hidden=moe_config.hidden_dim,
-            num_topk=moe_config.experts_per_token, num_experts=moe_config.num_experts,
-            use_fp8_dispatch=True))
-        return pfs.VllmDeepEPV2PrepareAndFinalize(
-            buffer, num_dispatchers=manager.world_size,
-            rank_expert_offset=manager.rank * moe_config.num_local_experts,
-            max_tokens_per_rank=moe_config.max_num_tokens, do_cpu_sync=_engine_runs_eagerly())
+    buffer = manager.get_handle(_buffer_request(backend, moe_config, manager.world_size))
+    wiring = kernel_factory.prepare_finalize_wiring(
+        backend, num_ranks=manager.world_size, rank=manager.rank,
+        num_experts=moe_config.num_experts, max_tokens_per_rank=moe_config.max_num_tokens,
+        low_latency=not _engine_runs_eagerly() if backend == "deepep_v2" else None,
+        buffer=buffer)
+    return ADAPTER_OF_PREPARE_FINALIZE[wiring.cls].for_vllm_layer(moe_config, buffer,
+                                                                  **wiring.kwargs)
+
+
+# vLLM's all2all flags (FusedMoEParallelConfig) -> our backend names.
+_BACKEND_OF_FLAG = (("use_deepep_ht_kernels", "deepep_high_throughput"),
+                    ("use_deepep_ll_kernels", "deepep_low_latency"),
+                    ("use_deepep_v2_kernels", "deepep_v2"))  # vLLM 0.32 and later
+
+
+def _backend_of(cfg) -> str:
+    """Our backend name for vLLM's all2all flags; ValueError for one we have no name for."""
+    for flag, backend in _BACKEND_OF_FLAG:
+        if getattr(cfg, flag, False):
+            return backend
     raise ValueError(f"all2all_backend={cfg.all2all_backend!r} has no vllm_moe_fixes "
                      "prepare/finalize (the selector leaves such layers to vLLM)")
+
+
+def _buffer_request(backend: str, moe_config, num_ranks: int) -> dict:
+    """The arguments vLLM's all2all manager takes in ``get_handle`` for ``backend``'s buffer
+    (as vLLM's own DeepEP paths ask it)."""
+    if backend == "deepep_low_latency":
+        return dict(max_num_tokens_per_dp_rank=moe_config.max_num_tokens,
+                    token_hidden_size=moe_config.hidden_dim, num_ep_ranks=num_ranks,
+                    num_global_experts=moe_config.num_experts,
+                    num_local_experts=moe_config.num_experts // num_ranks)
+    if backend == "deepep_v2":
+        return dict(num_max_tokens_per_rank=moe_config.max_num_tokens,
+                    hidden=moe_config.hidden_dim, num_topk=moe_config.experts_per_token,
+                    num_experts=moe_config.num_experts, use_fp8_dispatch=True)
+    return {}
 
 
 def _engine_runs_eagerly() -> bool:

@@ -42,7 +42,11 @@ from vllm_moe_fixes.fused_moe import (
     DeepEPV2PrepareAndFinalize,
     NoEPPrepareAndFinalize,
 )
-from vllm_moe_fixes.integrations.vllm.support import check_deepep_buffer, quant_config_problem
+from vllm_moe_fixes.integrations.vllm.support import (
+    check_deepep_buffer,
+    check_no_routing_tables,
+    quant_config_problem,
+)
 from vllm_moe_fixes.ops import SCALE_BLOCK
 
 
@@ -117,6 +121,11 @@ class VllmNoEPPrepareAndFinalize(_StandardAdapter):
     def __init__(self) -> None:
         super().__init__(NoEPPrepareAndFinalize())
 
+    @classmethod
+    def for_vllm_layer(cls, moe_config, buffer, **wiring):
+        """The adapter for the factory's wiring (no buffer, no arguments)."""
+        return cls(**wiring)
+
     def topk_indices_dtype(self) -> torch.dtype | None:
         return None
 
@@ -180,6 +189,13 @@ class VllmDeepEPHTPrepareAndFinalize(_StandardDispatchAdapter):
         super().__init__(DeepEPHTPrepareAndFinalize(
             buffer, num_dispatchers=num_dispatchers, rank_expert_offset=rank_expert_offset))
 
+    @classmethod
+    def for_vllm_layer(cls, moe_config, buffer, **wiring):
+        """The adapter for the factory's wiring over vLLM's buffer, checked for the layer's
+        hidden size and expert count."""
+        return cls(buffer, hidden=moe_config.hidden_dim, num_experts=moe_config.num_experts,
+                   **wiring)
+
 
 class VllmDeepEPV2PrepareAndFinalize(_StandardDispatchAdapter):
     """``DeepEPV2PrepareAndFinalize`` for vLLM over the ``ElasticBuffer`` of vLLM's deepep_v2
@@ -192,15 +208,23 @@ class VllmDeepEPV2PrepareAndFinalize(_StandardDispatchAdapter):
         max_tokens_per_rank: N, the layer's tokens per rank per dispatch.
         do_cpu_sync: wait for the exact receive count (eager engines) or take R*N rows without a
             host read (an engine that captures CUDA graphs).
+        topk_idx_dtype: the dtype the buffer takes ids in (DeepEP V2's ``topk_idx_t``).
     The buffer's rank count is checked against num_dispatchers when built; its bytes, by V2's
     own checks at the first dispatch.
     """
 
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int,
-                 max_tokens_per_rank: int, do_cpu_sync: bool) -> None:
+                 max_tokens_per_rank: int, do_cpu_sync: bool,
+                 topk_idx_dtype: torch.dtype = torch.int64) -> None:
         super().__init__(DeepEPV2PrepareAndFinalize(
             buffer, num_dispatchers=num_dispatchers, rank_expert_offset=rank_expert_offset,
-            max_tokens_per_rank=max_tokens_per_rank, do_cpu_sync=do_cpu_sync))
+            max_tokens_per_rank=max_tokens_per_rank, do_cpu_sync=do_cpu_sync,
+            topk_idx_dtype=topk_idx_dtype))
+
+    @classmethod
+    def for_vllm_layer(cls, moe_config, buffer, **wiring):
+        """The adapter for the factory's wiring over vLLM's ElasticBuffer."""
+        return cls(buffer, **wiring)
 
 
 class VllmDeepEPLLPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
@@ -221,16 +245,19 @@ class VllmDeepEPLLPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                  num_experts: int, global_to_physical=None, physical_to_global=None,
                  local_expert_global_ids=None) -> None:
         super().__init__()
-        if any(t is not None for t in (global_to_physical, physical_to_global,
-                                       local_expert_global_ids)):
-            raise ValueError("vllm_moe_fixes low-latency prepare/finalize: routing tables (EPLB "
-                             "or round-robin placement) are not served yet; experts must sit "
-                             "linearly (expert g on rank g // E_l)")
+        check_no_routing_tables((global_to_physical, physical_to_global, local_expert_global_ids))
         check_deepep_buffer(buffer, low_latency=True, num_ranks=num_dispatchers, hidden=hidden,
                             num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank)
         self.ours = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=num_dispatchers,
                                                max_tokens_per_rank=max_tokens_per_rank,
                                                use_fp8_dispatch=True)
+
+    @classmethod
+    def for_vllm_layer(cls, moe_config, buffer, **wiring):
+        """The adapter for the factory's wiring over vLLM's buffer, checked for the layer's
+        hidden size and expert count."""
+        return cls(buffer, hidden=moe_config.hidden_dim, num_experts=moe_config.num_experts,
+                   **wiring)
 
     @property
     def activation_format(self) -> mk.FusedMoEActivationFormat:
@@ -270,3 +297,12 @@ class VllmDeepEPLLPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                              "experts must return TopKWeightAndReduceDelegate")
         self.ours.finalize(output, fused_expert_output, topk_weights, topk_ids,
                            apply_router_weight_on_input)
+
+
+# The plugin's name map: the prepare/finalize the library's factory picks -> its adapter.
+ADAPTER_OF_PREPARE_FINALIZE = {
+    NoEPPrepareAndFinalize: VllmNoEPPrepareAndFinalize,
+    DeepEPHTPrepareAndFinalize: VllmDeepEPHTPrepareAndFinalize,
+    DeepEPLLPrepareAndFinalize: VllmDeepEPLLPrepareAndFinalize,
+    DeepEPV2PrepareAndFinalize: VllmDeepEPV2PrepareAndFinalize,
+}

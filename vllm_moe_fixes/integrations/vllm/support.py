@@ -117,6 +117,16 @@ def moe_config_problem(moe: FusedMoEConfig) -> str | None:
     return None
 
 
+def check_no_routing_tables(tables) -> None:
+    """ValueError unless every one of vLLM's routing tables (EPLB or round-robin placement:
+    global_to_physical, physical_to_global, local_expert_global_ids) is None: ours place expert
+    g on rank g // E_l."""
+    if tables is not None and any(t is not None for t in tables):
+        raise ValueError("vllm_moe_fixes prepare/finalize: routing tables (EPLB or round-robin "
+                         "placement) are not served yet; experts must sit linearly (expert g "
+                         "on rank g // E_l)")
+
+
 def check_deepep_buffer(buffer, *, low_latency: bool, num_ranks: int, hidden: int,
                         num_experts: int, max_tokens_per_rank: int | None = None) -> None:
     """Raise ValueError, with the numbers, where the all-to-all buffer vLLM built cannot serve
