@@ -1,7 +1,7 @@
 """The support code of the vLLM plugin's GPU checks (tests/vllm_support), on CPU: the stand-ins for
 vLLM's compiled ops compute what this library's references compute, and the harness registration
-puts our classes in a registry of vLLM's harness's shape and builds our prepare/finalize. (The GPU
-runs themselves are not covered here.)"""
+puts our classes in registries of vLLM 0.33's harness's shape and swaps our prepare/finalize into
+its kernel factory. (The GPU runs themselves are not covered here.)"""
 
 import os
 import subprocess
@@ -34,6 +34,51 @@ torch.ops._moe_C.topk_softmax(w, ids, torch.empty(37, 4, dtype=torch.int32), log
 want_w, want_ids = fused_topk(logits, 4, renormalize=True)
 assert torch.equal(ids.long(), want_ids.long()) and torch.allclose(w, want_w, rtol=1e-6)
 assert torch.ops._C.cutlass_scaled_mm_supports_block_fp8(90) is False
+h = torch.randn(37, 512, generator=g).bfloat16()
+out = torch.empty(37, 256, dtype=torch.bfloat16)
+torch.ops._C.silu_and_mul(out, h)
+want = (torch.nn.functional.silu(h[:, :256].float()) * h[:, 256:].float()).bfloat16()
+assert torch.equal(out, want)
+q2, s2 = torch.empty(37, 256, dtype=torch.float8_e4m3fn), torch.empty(37, 2)
+torch.ops._C.silu_and_mul_per_block_quant(q2, h, s2, 128, None, False)
+want_q, want_s = per_token_group_quant_fp8(
+    torch.nn.functional.silu(h[:, :256].float()) * h[:, 256:].float(), 128)
+assert torch.equal(q2.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s2, want_s)
+# moe_align_block_size: 13 tokens x top-3 over 8 experts (expert 5 unused), blocks of 4
+topk_ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(13)]).int()
+topk_ids[topk_ids == 5] = 6
+topk_ids[0] = torch.tensor([6, 1, 0])
+for expert_map in (None, torch.tensor([0, -1, 1, -1, 2, -1, 3, -1], dtype=torch.int32)):
+    sorted_ids = torch.full((200,), -7, dtype=torch.int32)
+    expert_ids = torch.full((50,), -7, dtype=torch.int32)
+    post_pad, scatter = torch.empty(1, dtype=torch.int32), torch.empty(39, 1, dtype=torch.int32)
+    torch.ops._moe_C.moe_align_block_size(topk_ids, 8, 4, sorted_ids, expert_ids, post_pad,
+                                          expert_map, scatter)
+    flat = topk_ids.flatten().long()
+    keep = torch.ones(39, dtype=torch.bool) if expert_map is None else expert_map[flat] >= 0
+    total, seen = 0, []
+    for e in range(8):
+        n = int((flat[keep] == e).sum())
+        if n == 0:
+            continue
+        padded = -(-n // 4) * 4
+        block = sorted_ids[total:total + padded]
+        assert torch.equal(block[:n].long(), torch.nonzero((flat == e) & keep).flatten())
+        assert bool((block[n:] == 39).all())
+        name = e if expert_map is None else int(expert_map[e])
+        assert bool((expert_ids[total // 4:(total + padded) // 4] == name).all())
+        seen += block[:n].tolist()
+        total += padded
+    assert int(post_pad) == total and sorted(seen) == torch.nonzero(keep).flatten().tolist()
+    assert bool((expert_ids[total // 4:] == -1).all()) and bool((sorted_ids[total:] == 39).all())
+    assert torch.equal(scatter.flatten().long(), torch.where(keep, torch.arange(39), -1))
+x = torch.randn(13, 3, 64, generator=g)
+summed = torch.empty(13, 64)
+torch.ops._moe_C.moe_sum(x, summed, None, None)
+assert torch.allclose(summed, x.sum(1))
+em = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1], dtype=torch.int32)
+torch.ops._moe_C.moe_sum(x, summed, topk_ids, em)
+assert torch.allclose(summed, (x * (em[topk_ids.long()] >= 0).unsqueeze(-1)).sum(1))
 print("ok")
 """
 
@@ -45,7 +90,8 @@ def test_stand_ins_for_vllms_compiled_ops_match_our_references():
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
-def test_harness_registration_adds_our_classes_and_builds_our_prepare_finalize():
+def test_harness_registration_adds_our_classes_and_swaps_in_our_prepare_finalize():
+    """Against registries and a kernel factory of vLLM 0.33's harness's shape."""
     pytest.importorskip("vllm")
     sys.path.insert(0, SUPPORT)
     try:
@@ -58,34 +104,49 @@ def test_harness_registration_adds_our_classes_and_builds_our_prepare_finalize()
         VllmTritonExperts,
     )
     experts, pfs = [], []
-    harness = types.ModuleType("fake_mk_objects")
-    harness.standard_format, harness.batched_format = "standard", "batched"
+    harness = types.SimpleNamespace(standard_format="standard", batched_format="batched")
 
     def register_experts(kind, activation_format, supported_dtypes,
-                         blocked_quantization_support, supports_chunking, supports_expert_map,
-                         needs_matching_quant=False, needs_deep_gemm=False):
-        experts.append((kind, activation_format, supports_expert_map, needs_deep_gemm))
+                         blocked_quantization_support, needs_matching_quant=False,
+                         needs_deep_gemm=False, needs_aiter=False):
+        experts.append((kind, activation_format, needs_deep_gemm))
 
     def register_prepare_and_finalize(kind, activation_format, supported_dtypes,
-                                      blocked_quantization_support, backend):
+                                      blocked_quantization_support, backend,
+                                      force_multigpu=False, supports_apply_weight_on_input=True):
         pfs.append((kind, activation_format, backend))
 
     harness.register_experts = register_experts
     harness.register_prepare_and_finalize = register_prepare_and_finalize
-    harness.make_prepare_finalize = lambda kind, backend, moe, quant_config: "vllm's"
-    sys.modules[harness.__name__] = harness
-    try:
-        mk_registration.register(harness)
-        mk_registration.register(harness)  # once only
-        built = harness.make_prepare_finalize(VllmNoEPPrepareAndFinalize, None, None, None)
-        other = harness.make_prepare_finalize(object, None, None, None)
-    finally:
-        del sys.modules[harness.__name__]
-    assert (VllmTritonExperts, "standard", True, False) in experts
-    assert (VllmBatchedTritonExperts, "batched", False, False) in experts
+    mk_registration.register(harness)
+    mk_registration.register(harness)  # once only
+    assert (VllmTritonExperts, "standard", False) in experts
+    assert (VllmBatchedTritonExperts, "batched", False) in experts
     assert len(experts) in (2, 4)  # the DeepGEMM pair only where DeepGEMM runs
     assert pfs == [(VllmNoEPPrepareAndFinalize, "standard", None)]
-    assert isinstance(built, VllmNoEPPrepareAndFinalize) and other == "vllm's"
+
+    class Kernel:  # vLLM's FusedMoEKernel: built from both parts, by keyword
+        def __init__(self, prepare_finalize, fused_experts):
+            self.prepare_finalize, self.fused_experts = prepare_finalize, fused_experts
+
+    class Config:
+        def __init__(self, pf_type):
+            self.prepare_finalize_type = pf_type
+
+        def is_valid(self):
+            return True, None
+
+    vllms_pf = object()
+    common = types.SimpleNamespace(
+        Config=Config,
+        make_modular_kernel=lambda config, vllm_config, quant: Kernel(vllms_pf, "experts"))
+    mk_registration.patch_common(common)
+    mk_registration.patch_common(common)  # once only
+    ours = common.make_modular_kernel(Config(VllmNoEPPrepareAndFinalize), None, None)
+    theirs = common.make_modular_kernel(Config(object), None, None)
+    assert isinstance(ours.prepare_finalize, VllmNoEPPrepareAndFinalize)
+    assert ours.fused_experts == "experts" == theirs.fused_experts
+    assert theirs.prepare_finalize is vllms_pf
 
 
 def test_harness_case_filter_keeps_only_block_fp8_cases_for_our_classes():
@@ -113,9 +174,7 @@ def test_harness_case_filter_keeps_only_block_fp8_cases_for_our_classes():
         return types.SimpleNamespace(block_shape=block_shape, per_act_token_quant=per_token,
                                      per_out_ch_quant=False)
 
-    common = types.SimpleNamespace(Config=Config)
-    mk_registration.only_block_fp8(common)
-    mk_registration.only_block_fp8(common)  # once only
+    mk_registration.only_block_fp8(Config)
     assert Config(Ours, quant([128, 128])).is_valid() == (True, None)
     for q in (None, quant(None), quant(None, per_token=True), quant([64, 128])):
         assert Config(Ours, q).is_valid()[0] is False

@@ -9,7 +9,7 @@ machine with vLLM 0.33.0's sources but not its .so files):
     stand_ins/vllm_flash_attn.py         -> vllm/vllm_flash_attn/__init__.py (the original kept as
                                             __init__.py.orig)
 
-A file of the same name that is already there is left alone and named in the output. NOT YET RUN.
+A file of the same name that is already there is left alone and named in the output.
 """
 
 import os

@@ -1,40 +1,37 @@
-"""Register this library's vLLM adapters in vLLM's own modular-kernel test harness
-(``tests/kernels/moe/modular_kernel_tools/mk_objects.py`` of a vLLM source tree), so that
-``test_modular_kernel_combinations.py -k singlegpu`` pairs them with vLLM's classes and its
-reference. NOT YET RUN: written while no device was lent; vLLM 0.33's registry signatures are
-matched by name at run time (keywords the registry does not take are dropped).
+"""Register this library's vLLM adapters in vLLM 0.33's own modular-kernel test harness
+(``tests/kernels/moe/modular_kernel_tools`` of vLLM's source tree), so that
+``test_modular_kernel_combinations.py -k singlegpu`` pairs them with vLLM's classes and checks them
+against its torch reference. Load it as a pytest plugin, with this folder on PYTHONPATH so that the
+process vLLM spawns for each case imports ``sitecustomize`` from here and registers there too
+(unpickling a case imports our classes, and the spawned rank looks them up in the registries):
 
-Load it as a pytest plugin, with this folder on PYTHONPATH so that vLLM's spawned rank processes
-import ``sitecustomize`` from here too and register there as well:
+    cd $VLLM_SRC && PYTHONPATH=$REPO/tests/vllm_support:$REPO \\
+        python -m pytest -p mk_registration --confcutdir=tests/kernels \\
+        tests/kernels/moe/test_modular_kernel_combinations.py -k singlegpu
 
-    PYTHONPATH=tests/vllm_support:$VLLM_SRC python -m pytest -p mk_registration \\
-        $VLLM_SRC/tests/kernels/moe/test_modular_kernel_combinations.py -k singlegpu
+(``--confcutdir``: vLLM's top ``tests/conftest.py`` imports half of vLLM's test dependencies; the
+one fixture the harness takes from it, ``workspace_init``, is defined here.)
 
-Registered: experts VllmTritonExperts, VllmDeepGemmExperts (needs DeepGEMM) in the standard
-format, VllmBatchedTritonExperts, VllmBatchedDeepGemmExperts in the batched one, all FP8 only with
-128x128 blocks; prepare/finalize VllmNoEPPrepareAndFinalize (single GPU). The harness builds a
-prepare/finalize from its all-to-all backend name, so its factory is wrapped to build ours, and its
-case filter (``common.Config.is_valid``) keeps only block-FP8 cases for our classes.
+Registered (``mk_objects``): the experts VllmTritonExperts (standard format) and
+VllmBatchedTritonExperts (batched), and where DeepGEMM runs VllmDeepGemmExperts and
+VllmBatchedDeepGemmExperts, FP8 only with 128x128 blocks; the prepare/finalize
+VllmNoEPPrepareAndFinalize (single GPU, standard format). vLLM 0.33's harness has no single-GPU
+prepare/finalize of the batched format, so the batched experts get single-GPU cases from none.
+Its ``common.make_modular_kernel`` builds the prepare/finalize from the all-to-all backend and not
+from the case's class, so it is wrapped to swap ours in where the case names it; its case filter
+(``common.Config.is_valid``) keeps only block-FP8 cases for our classes, which refuse the
+harness's per-tensor and per-channel FP8 cases.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import inspect
 import sys
 
-MK_OBJECTS = ("tests.kernels.moe.modular_kernel_tools.mk_objects",
-              "kernels.moe.modular_kernel_tools.mk_objects",
-              "modular_kernel_tools.mk_objects")
+import pytest
 
-
-def _call(fn, *args, **kwargs):
-    """fn(*args, **the keywords fn takes)."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
+_HARNESS_PACKAGES = ("tests.kernels.moe.modular_kernel_tools", "kernels.moe.modular_kernel_tools",
+                     "moe.modular_kernel_tools", "modular_kernel_tools")
 
 
 def register(mk_objects) -> None:
@@ -46,74 +43,68 @@ def register(mk_objects) -> None:
     from vllm_moe_fixes.integrations.vllm import experts as adapters
     from vllm_moe_fixes.integrations.vllm import prepare_finalize as pfs
 
-    standard = mk_objects.standard_format
-    batched = mk_objects.batched_format
     fp8 = [torch.float8_e4m3fn]
-    common = dict(blocked_quantization_support=True, supports_chunking=False,
-                  needs_matching_quant=False)
-    for cls, fmt, expert_map in ((adapters.VllmTritonExperts, standard, True),
-                                 (adapters.VllmBatchedTritonExperts, batched, False)):
-        _call(mk_objects.register_experts, cls, fmt, fp8, supports_expert_map=expert_map,
-              needs_deep_gemm=False, **common)
+    experts = [(adapters.VllmTritonExperts, mk_objects.standard_format, False),
+               (adapters.VllmBatchedTritonExperts, mk_objects.batched_format, False)]
     if adapters.VllmDeepGemmExperts._supports_current_device():
-        for cls, fmt, expert_map in ((adapters.VllmDeepGemmExperts, standard, True),
-                                     (adapters.VllmBatchedDeepGemmExperts, batched, False)):
-            _call(mk_objects.register_experts, cls, fmt, fp8, supports_expert_map=expert_map,
-                  needs_deep_gemm=True, **common)
-    _call(mk_objects.register_prepare_and_finalize, pfs.VllmNoEPPrepareAndFinalize, standard,
-          fp8, blocked_quantization_support=True, backend=None,
-          supports_apply_weight_on_input=True)
-    _wrap_prepare_finalize_factory(mk_objects, pfs.VllmNoEPPrepareAndFinalize)
+        experts += [(adapters.VllmDeepGemmExperts, mk_objects.standard_format, True),
+                    (adapters.VllmBatchedDeepGemmExperts, mk_objects.batched_format, True)]
+    for cls, fmt, needs_deep_gemm in experts:
+        mk_objects.register_experts(cls, fmt, fp8, blocked_quantization_support=True,
+                                    needs_matching_quant=False, needs_deep_gemm=needs_deep_gemm)
+    mk_objects.register_prepare_and_finalize(
+        pfs.VllmNoEPPrepareAndFinalize, mk_objects.standard_format, fp8,
+        blocked_quantization_support=True, backend=None)
     mk_objects._vllm_moe_fixes_registered = True
 
 
-def _wrap_prepare_finalize_factory(mk_objects, our_cls) -> None:
-    """The harness's make_prepare_finalize(kind, backend, moe, quant_config) builds vLLM's no-EP
-    class for every single-GPU kind: build ours for our kind. Rebound in mk_objects and in every
-    module of its package that imported the function by name."""
-    original = mk_objects.make_prepare_finalize
+def _our_prepare_finalize_classes() -> tuple[type, ...]:
+    from vllm_moe_fixes.integrations.vllm import prepare_finalize as pfs
 
-    def make_prepare_finalize(prepare_finalize_type, *args, **kwargs):
-        if prepare_finalize_type is our_cls:
-            return our_cls()
-        return original(prepare_finalize_type, *args, **kwargs)
-
-    harness = mk_objects.__name__.rpartition(".")[0]  # its package: the harness's modules
-    for name, module in list(sys.modules.items()):
-        if name == mk_objects.__name__ or (harness and name.startswith(harness + ".")):
-            if vars(module).get("make_prepare_finalize") is original:
-                module.make_prepare_finalize = make_prepare_finalize
+    return (pfs.VllmNoEPPrepareAndFinalize,)
 
 
-def only_block_fp8(common) -> None:
-    """Make the harness module ``common``'s ``Config.is_valid`` refuse, for a case with one of
-    our classes, every quantisation but block FP8 128x128 with dynamic 1x128 activations (the
-    harness otherwise offers them per-tensor and unquantised cases too, which our classes refuse
-    with a ValueError at construction)."""
-    config_cls = getattr(common, "Config", None)
-    if config_cls is None or getattr(config_cls, "_vllm_moe_fixes_filtered", False):
+def patch_common(common) -> None:
+    """Wrap the harness module ``common``: ``make_modular_kernel`` builds our prepare/finalize
+    where the case names it (vLLM 0.33 builds vLLM's from the backend whatever the case names),
+    and ``Config.is_valid`` refuses every quantisation but block FP8 128x128 with dynamic 1x128
+    activations for a case with one of our classes (once)."""
+    if getattr(common, "_vllm_moe_fixes_patched", False):
         return
+    make_modular_kernel = common.make_modular_kernel
+
+    def make_modular_kernel_with_ours(config, vllm_config, quant_config):
+        kernel = make_modular_kernel(config, vllm_config, quant_config)
+        ours = config.prepare_finalize_type
+        if ours not in _our_prepare_finalize_classes():
+            return kernel
+        return type(kernel)(prepare_finalize=ours(), fused_experts=kernel.fused_experts)
+
+    common.make_modular_kernel = make_modular_kernel_with_ours
+    only_block_fp8(common.Config)
+    common._vllm_moe_fixes_patched = True
+
+
+def only_block_fp8(config_cls) -> None:
+    """Make the harness's ``Config.is_valid`` refuse non-block-FP8 cases of our classes."""
     is_valid = config_cls.is_valid
 
     def filtered(self):
-        verdict = is_valid(self)
         ours = any(getattr(t, "__module__", "").startswith("vllm_moe_fixes.")
                    for t in (self.prepare_finalize_type, self.fused_experts_type))
         quant = self.quant_config
         block_fp8 = (quant is not None and list(quant.block_shape or []) == [128, 128]
                      and not quant.per_act_token_quant and not quant.per_out_ch_quant)
         if ours and not block_fp8:
-            reason = "vllm_moe_fixes serves block FP8 128x128 only"
-            return (False, reason) if isinstance(verdict, tuple) else False
-        return verdict
+            return False, "vllm_moe_fixes serves block FP8 128x128 only"
+        return is_valid(self)
 
     config_cls.is_valid = filtered
-    config_cls._vllm_moe_fixes_filtered = True
 
 
 # What runs after the harness module of each name has been imported.
-_AFTER_IMPORT = {**{name: register for name in MK_OBJECTS},
-                 **{name.rpartition(".")[0] + ".common": only_block_fp8 for name in MK_OBJECTS}}
+_AFTER_IMPORT = {**{f"{p}.mk_objects": register for p in _HARNESS_PACKAGES},
+                 **{f"{p}.common": patch_common for p in _HARNESS_PACKAGES}}
 
 
 def register_when_imported() -> None:
@@ -125,7 +116,7 @@ def register_when_imported() -> None:
             step(sys.modules[name])
         else:
             pending[name] = step
-    if pending:
+    if pending and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport(pending))
 
 
@@ -159,3 +150,15 @@ class _AfterImport:
 
 def pytest_configure(config) -> None:
     register_when_imported()
+
+
+@pytest.fixture
+def workspace_init():
+    """vLLM's fixture of the same name (its top tests/conftest.py, cut off by --confcutdir): the
+    process-wide workspace manager on GPU 0 for the test, reset after it."""
+    import torch
+    from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
+
+    init_workspace_manager(torch.device(0))
+    yield
+    reset_workspace_manager()

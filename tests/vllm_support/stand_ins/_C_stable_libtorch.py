@@ -2,10 +2,12 @@
 files (copied there by tests/vllm_support/install_stand_ins.py; never part of the package).
 
 Defines, with ``torch.library``, the ``_C`` ops that vLLM's Python tree calls on the paths the
-plugin's GPU checks take: ``per_token_group_fp8_quant`` (plain torch: 1x128 groups, amax / fp8_max
-scales, optionally rounded up to powers of two) and the CUTLASS capability queries asked at import
-(all answer False, so vLLM never picks a CUTLASS kernel). NOT YET RUN: written while no device was
-lent; a first device run must check each schema against vLLM 0.33's callers.
+plugin's GPU checks take, in plain torch: ``per_token_group_fp8_quant`` (1x128 groups, amax /
+fp8_max scales, optionally rounded up to powers of two); ``silu_and_mul`` (the harness's reference,
+``SiluAndMul``); ``silu_and_mul_per_block_quant`` (vLLM's TritonExperts with block FP8: SiLU(gate)
+* up in float32, then that quantisation); and the CUTLASS capability queries asked at import (all
+answer False, so vLLM never picks a CUTLASS kernel). The schemas take the arguments in the order
+vLLM 0.33's ``_custom_ops`` passes them.
 """
 
 import torch
@@ -28,8 +30,35 @@ def _per_token_group_fp8_quant(x, out_q, out_s, group_size, eps, fp8_min, fp8_ma
     out_s.copy_(scale)  # out_s may be a column-major view: copy_ follows its strides
 
 
-for _device in ("CUDA", "CPU"):
-    _LIB.impl("per_token_group_fp8_quant", _per_token_group_fp8_quant, _device)
+_LIB.define("silu_and_mul(Tensor(a!) out, Tensor input) -> ()")
+
+
+def _silu_gate_times_up(x):
+    gate, up = x.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _silu_and_mul(out, x):
+    out.copy_(_silu_gate_times_up(x))
+
+
+_LIB.define("silu_and_mul_per_block_quant(Tensor(a!) out, Tensor input, Tensor(b!) scales, "
+            "int group_size, Tensor? scale_ub, bool is_scale_transposed) -> ()")
+
+
+def _silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, _transposed):
+    if scale_ub is not None:
+        raise NotImplementedError("silu_and_mul_per_block_quant stand-in: scale_ub")
+    fp8_max = torch.finfo(out.dtype).max
+    _per_token_group_fp8_quant(_silu_gate_times_up(x), out, scales, group_size, 1e-10, -fp8_max,
+                               fp8_max, False, False, False)
+
+
+for _name, _fn in (("per_token_group_fp8_quant", _per_token_group_fp8_quant),
+                   ("silu_and_mul", _silu_and_mul),
+                   ("silu_and_mul_per_block_quant", _silu_and_mul_per_block_quant)):
+    for _device in ("CUDA", "CPU"):
+        _LIB.impl(_name, _fn, _device)
 
 for _name in ("cutlass_scaled_mm_supports_fp4", "cutlass_scaled_mm_supports_fp8",
               "cutlass_scaled_mm_supports_block_fp8", "cutlass_group_gemm_supported",

@@ -1,6 +1,6 @@
 """Stand-in for ``vllm/vllm_flash_attn/__init__.py`` on a GPU machine without vLLM's compiled
 flash-attention: every name vLLM imports from it exists, and calling one raises. The MoE checks
-never run attention. NOT YET RUN.
+never run attention.
 """
 
 
