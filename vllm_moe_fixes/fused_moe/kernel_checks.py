@@ -8,6 +8,7 @@ shapes and dtypes costs more host time than the tests themselves).
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from vllm_moe_fixes import envs
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
@@ -143,11 +144,19 @@ def check_one_device(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expe
     raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """Bool mask of t's finite entries. float8_e4m3fn has no inf and NaN is its one pattern with
+    all exponent and mantissa bits set (0x7F / 0xFF); torch.isfinite does not take FP8."""
+    if t.dtype == FP8_DTYPE:
+        return (t.view(torch.uint8) & 0x7F) != 0x7F
+    return torch.isfinite(t)
+
+
 def check_finite(**tensors: torch.Tensor) -> None:
     """ValueError naming the first NaN or +-inf entry of the named tensors (the layer's checked
     mode, VLLM_MOE_CHECK_FINITE=1): one host read of the tensors' values, a synchronisation on
     CUDA."""
-    finite = [torch.isfinite(t) for t in tensors.values()]
+    finite = [_finite(t) for t in tensors.values()]
     if bool(torch.stack([f.all() for f in finite]).all()):
         return
     for (name, t), ok in zip(tensors.items(), finite):
@@ -155,3 +164,24 @@ def check_finite(**tensors: torch.Tensor) -> None:
             where = tuple(int(i) for i in (~ok).nonzero()[0])
             raise ValueError(f"{name} must be finite (VLLM_MOE_CHECK_FINITE=1); "
                              f"{name}{list(where)} = {float(t[where])}")
+
+
+# Weight tensor -> the version (torch's in-place write counter) at which it was found finite.
+# Keyed by identity and held weakly: a dropped weight leaves the table.
+_FINITE_AT_VERSION = WeakIdKeyDictionary()
+
+
+def check_weights_finite(**weights: torch.Tensor) -> None:
+    """check_finite for weights and their scales, read once per tensor and version: a later call
+    with the same tensors, not written in place since, reads nothing (as the DeepEP
+    prepare/finalize reads an expert_map). NaN in FP8 weights is found too (torch.isfinite does
+    not take FP8). Inference tensors carry no version: they are read at every call. Writes
+    through ``.data`` are not counted by torch, so a weight reloaded that way after its check
+    is not read again."""
+    for name, t in weights.items():
+        version = None if t.is_inference() else t._version
+        if version is not None and _FINITE_AT_VERSION.get(t) == version:
+            continue
+        check_finite(**{name: t})
+        if version is not None:
+            _FINITE_AT_VERSION[t] = version
