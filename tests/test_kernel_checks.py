@@ -53,6 +53,13 @@ def test_bad_arguments():
     bad(r"expert_map must hold local ids in \[-1, 8\).*expert_map\[7\] = 8", expert_map=emap)
 
 
+@pytest.mark.parametrize("M, given", [(1, True), (0, False)])
+def test_max_tokens_across_ranks_refuses_a_bool(M, given):
+    """A bool is an int to Python; as a token count it is a slip (True would be 1)."""
+    with pytest.raises(ValueError, match=rf"max_tokens_across_ranks .*not a bool.*got {given}"):
+        run(new_kernel(), make_problem(M, 2, 8, 128, 256), 8, max_tokens_across_ranks=given)
+
+
 @pytest.mark.parametrize("I,K", [(96, 256), (128, 200), (192, 128), (64, 64)])
 def test_sizes_not_multiples_of_128_refused(I, K):
     """No backend runs such a layer: validation says so before anything runs."""

@@ -38,10 +38,11 @@ def check_layer_call(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, glob
     if apply_router_weight_on_input and topk != 1:
         raise ValueError(f"apply_router_weight_on_input needs topk == 1, got topk={topk}")
     check_one_device(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expert_map)
-    if max_tokens_across_ranks is not None and not (
-            isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M):
-        raise ValueError(f"max_tokens_across_ranks must be None or an int >= M={M}, got "
-                         f"{max_tokens_across_ranks!r}")
+    if max_tokens_across_ranks is not None and (
+            isinstance(max_tokens_across_ranks, bool) or not (
+                isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M)):
+        raise ValueError(f"max_tokens_across_ranks must be None or an int (not a bool) >= M={M}, "
+                         f"got {max_tokens_across_ranks!r}")
     if envs.values_checked_on(x.device):
         check_routing_ranges(topk_ids, global_num_experts, expert_map, local_num_experts)
 
