@@ -191,12 +191,13 @@ def test_refusals_raise_before_running():
     a1q, a1s, *_ = pf.prepare(x, tw, ti, 8, None, False, qc, False)
     ws = [torch.empty(s, dtype=torch.bfloat16) for s in ex.workspace_shapes(
         4, 2 * I, K, 2, 8, 8, None, MoEActivation.SILU)]
-    with pytest.raises(ValueError, match="silu"):
-        ex.apply(ws[2], a1q, w.w1, w.w2, tw, ti, MoEActivation.GELU, 8, None, a1s, None,
-                 ws[0], ws[1], None, False)
-    with pytest.raises(ValueError, match="a2_scale"):
-        ex.apply(ws[2], a1q, w.w1, w.w2, tw, ti, MoEActivation.SILU, 8, None, a1s,
-                 torch.ones(1), ws[0], ws[1], None, False)
+    # what vLLM fixes per layer is refused when the experts are built, not on each call
+    with pytest.raises(ValueError, match="activation gelu"):
+        VllmTritonExperts(moe_config(8, 2, activation=MoEActivation.GELU), qc)
+    with pytest.raises(ValueError, match="static activation scales"):
+        VllmTritonExperts(moe_config(8, 2), fp8_w8a8_moe_quant_config(
+            w1_scale=w.w1_scale, w2_scale=w.w2_scale, a2_scale=torch.ones(1),
+            block_shape=[128, 128]))
     with pytest.raises(ValueError, match="w1_scale"):  # weights of another layer's shape
         w4 = random_fp8_moe_weights(4, K, I)
         ex.apply(ws[2], a1q, w4.w1, w4.w2, tw, ti, MoEActivation.SILU, 8, None, a1s, None,

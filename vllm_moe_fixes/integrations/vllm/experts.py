@@ -1,8 +1,9 @@
 """This library's experts behind vLLM's ``FusedMoEExpertsModular``.
 
     vLLM                                        adapter                  ours
-    cls(moe_config, quant_config,               w1/w2 scales <- quant_config.w1_scale/w2_scale
-        max_num_tokens, num_dispatchers)        (checked once per weight pair)
+    cls(moe_config, quant_config,               checks the quantisation (a2_scale None) and the
+        max_num_tokens, num_dispatchers)        activation once; w1/w2 scales <- quant_config
+                                                (checked once per weight pair)
     workspace_shapes(M, N=2I, K, topk, E, E_l,  -> N // 2 = I            workspace_shapes(M, I,
                      meta, activation)                                   K, topk, E_l)
     apply(out, a1q, w1, w2, w, ids, act, E,     -> scales, "silu",       apply(out, a1q, a1q_scale,
@@ -25,7 +26,6 @@ size, bias, LoRA, micro-batching...).
 
 from __future__ import annotations
 
-import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
@@ -39,12 +39,14 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 from vllm.platforms import current_platform
 
 from vllm_moe_fixes import fused_moe as ours
+from vllm_moe_fixes.fused_moe import kernel_checks
 from vllm_moe_fixes.integrations.vllm.support import (
+    activation_problem,
     moe_config_problem,
     parallel_config_problem,
     quant_config_problem,
+    sizes_problem,
 )
-from vllm_moe_fixes.ops import FP8_DTYPE, SCALE_BLOCK
 from vllm_moe_fixes.sizes import expected_rows_per_expert
 
 
@@ -55,27 +57,6 @@ def _deep_gemm_usable() -> bool:
     except (ImportError, RuntimeError):  # DeepGEMM missing, or a GPU other than SM90
         return False
     return True
-
-
-def _check_weights(w1, w2, w1_scale, w2_scale) -> None:
-    """ValueError unless w1 fp8 [E_l, 2I, K], w2 fp8 [E_l, K, I] (contiguous, I and K multiples
-    of 128) and the scales float32 [E_l, 2I/128, K/128] / [E_l, K/128, I/128]."""
-    if not (w1.dim() == 3 and w1.dtype == FP8_DTYPE and w2.dtype == FP8_DTYPE
-            and w1.is_contiguous() and w2.is_contiguous()):
-        raise ValueError(f"w1 and w2 must be contiguous float8_e4m3fn, got {w1.dtype} "
-                         f"{tuple(w1.shape)} and {w2.dtype} {tuple(w2.shape)}")
-    local_num_experts, two_i, k = w1.shape
-    i = two_i // 2
-    if two_i % 2 or i % SCALE_BLOCK or k % SCALE_BLOCK \
-            or tuple(w2.shape) != (local_num_experts, k, i):
-        raise ValueError(f"w1 must be [E_l, 2I, K] and w2 [E_l, K, I] with I and K multiples of "
-                         f"{SCALE_BLOCK}, got {tuple(w1.shape)} and {tuple(w2.shape)}")
-    kb, ib = k // SCALE_BLOCK, i // SCALE_BLOCK
-    for name, s, want in (("w1_scale", w1_scale, (local_num_experts, 2 * ib, kb)),
-                          ("w2_scale", w2_scale, (local_num_experts, kb, ib))):
-        if not (s.dtype == torch.float32 and tuple(s.shape) == want):
-            raise ValueError(f"quant_config.{name} must be float32 {want} (128x128 blocks), got "
-                             f"{s.dtype} {tuple(s.shape)}")
 
 
 class VllmExperts(mk.FusedMoEExpertsModular):
@@ -89,9 +70,12 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     def __init__(self, moe_config, quant_config, max_num_tokens=None,
                  num_dispatchers=None) -> None:
         super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers)
-        problem = quant_config_problem(quant_config)
+        # What vLLM fixes per layer is checked here, once: the quantisation (a2_scale among it)
+        # and the activation; apply checks only what a call can change.
+        problem = quant_config_problem(quant_config) or activation_problem(moe_config)
         if problem is not None:
-            raise ValueError(f"{type(self).__name__} serves block-FP8 128x128 layers: {problem}")
+            raise ValueError(f"{type(self).__name__} serves block-FP8 128x128 SiLU-and-mul "
+                             f"layers: {problem}")
         self.experts = self._ours()
         self._checked = (None, None)  # the (w1, w2) whose shapes were checked last
 
@@ -116,7 +100,7 @@ class VllmExperts(mk.FusedMoEExpertsModular):
 
     @staticmethod
     def _supports_shape(hidden_dim: int) -> bool:
-        return hidden_dim % SCALE_BLOCK == 0
+        return sizes_problem(hidden_dim) is None
 
     @classmethod
     def _supports_parallel_config(cls, moe_parallel_config) -> bool:
@@ -138,15 +122,17 @@ class VllmExperts(mk.FusedMoEExpertsModular):
         """vLLM's N is w1's rows, 2I; ours take I."""
         return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts)
 
-    def _check_call(self, w1, w2, activation, a2_scale) -> None:
-        if activation != MoEActivation.SILU:
-            raise ValueError(f"activation {activation}: {type(self).__name__} runs silu only")
-        if a2_scale is not None:
-            raise ValueError("a2_scale is set: these experts quantise the second GEMM's input "
-                             "at run time (1x128 groups)")
-        if self._checked[0] is not w1 or self._checked[1] is not w2:
-            _check_weights(w1, w2, self.w1_scale, self.w2_scale)
-            self._checked = (w1, w2)
+    def _check_weights(self, hidden_states, w1, w2) -> None:
+        """The library's weight rules (w1 fp8 [E_l, 2I, K], w2 fp8 [E_l, K, I], contiguous, I and
+        K multiples of 128, K that of hidden_states; quant_config's scales float32 [E_l, 2I/128,
+        K/128] / [E_l, K/128, I/128]), once per weight pair: the layer passes its own weights on
+        every call."""
+        if self._checked[0] is w1 and self._checked[1] is w2:
+            return
+        local_num_experts, i = kernel_checks.check_weights(w1, w2, hidden_states.shape[-1])
+        kernel_checks.check_weight_scales(self.w1_scale, self.w2_scale, local_num_experts, i,
+                                          hidden_states.shape[-1])
+        self._checked = (w1, w2)
 
 
 class _ContiguousExperts(VllmExperts):
@@ -166,7 +152,7 @@ class _ContiguousExperts(VllmExperts):
         whose expert is not local (expert_map -1, or id -1) add 0. hidden_states fp8 [M, K],
         a1q_scale f32 [M, K/128]; topk_ids int32/int64 [M, k] global ids; expert_map int32 [E]
         or None."""
-        self._check_call(w1, w2, activation, a2_scale)
+        self._check_weights(hidden_states, w1, w2)
         self.experts.apply(output, hidden_states, a1q_scale, w1, w2, self.w1_scale,
                            self.w2_scale, topk_ids, expert_map, "silu", workspace13, workspace2,
                            None, topk_weights=None if apply_router_weight_on_input
@@ -190,7 +176,7 @@ class _BatchedExperts(VllmExperts):
               expert_tokens_meta, apply_router_weight_on_input) -> None:
         """output bf16 [E_l, T, K] (valid rows written) from hidden_states fp8 [E_l, T, K],
         a1q_scale f32 [E_l, T, K/128] and expert_tokens_meta.expert_num_tokens int32 [E_l]."""
-        self._check_call(w1, w2, activation, a2_scale)
+        self._check_weights(hidden_states, w1, w2)
         if expert_tokens_meta is None or expert_tokens_meta.expert_num_tokens is None:
             raise ValueError("batched experts need expert_tokens_meta.expert_num_tokens")
         t = hidden_states.shape[1]

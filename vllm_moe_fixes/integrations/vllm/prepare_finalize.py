@@ -2,7 +2,8 @@
 
     vLLM's FusedMoEKernel                 adapter                      ours
     prepare(a1, w, ids, E, map, on_input,  -> check quant_config   -> prepare(...) -> PrepareResult
-            quant_config, defer)           <- (a1q, a1q_scale, ExpertTokensMetadata|None, ids|None,
+            quant_config, defer)              (once per object), a1
+                                           <- (a1q, a1q_scale, ExpertTokensMetadata|None, ids|None,
                                                weights|None)
     finalize(out, fused, w, ids, on_input, -> NoOP: reduced           finalize(...,
              weight_and_reduce_impl)          Contiguous / Delegate:   output_is_reduced=...)
@@ -50,22 +51,6 @@ from vllm_moe_fixes.integrations.vllm.support import (
 from vllm_moe_fixes.ops import SCALE_BLOCK
 
 
-def _check_prepare_inputs(a1: torch.Tensor, quant_config, defer_input_quant: bool) -> None:
-    """The checks our modular kernel makes at its edge, for what vLLM hands prepare."""
-    problem = quant_config_problem(quant_config)
-    if problem is not None:
-        raise ValueError(f"vllm_moe_fixes prepare/finalize serves block-FP8 128x128 layers: "
-                         f"{problem}")
-    if defer_input_quant:
-        raise ValueError("defer_input_quant=True: this prepare/finalize always quantises the "
-                         "input (pair it with experts that take FP8 activations)")
-    if not (a1.dim() == 2 and a1.dtype == torch.bfloat16 and a1.shape[1] % SCALE_BLOCK == 0
-            and (a1.stride(1) == 1 or a1.shape[1] <= 1)):
-        raise ValueError(f"a1 must be bfloat16 [M, K] with contiguous channels and K a multiple "
-                         f"of {SCALE_BLOCK}, got {a1.dtype} {tuple(a1.shape)} strides "
-                         f"{a1.stride()}")
-
-
 def output_is_reduced(weight_and_reduce_impl: mk.TopKWeightAndReduce) -> bool:
     """Whether the experts that chose ``weight_and_reduce_impl`` already weighted and summed the
     k slots (NoOP) or left them to finalize (Contiguous, Delegate)."""
@@ -85,7 +70,34 @@ def _unreduced_view(fused_expert_output: torch.Tensor, topk_ids: torch.Tensor) -
     return fused_expert_output.view(m, k, fused_expert_output.shape[-1])
 
 
-class _StandardAdapter(mk.FusedMoEPrepareAndFinalizeModular):
+class _VllmPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
+    """What every adapter checks of what vLLM hands ``prepare``."""
+
+    _checked_quant_config = None  # the last FusedMoEQuantConfig found block-FP8 128x128
+
+    def _check_prepare_inputs(self, a1: torch.Tensor, quant_config,
+                              defer_input_quant: bool) -> None:
+        """The quantisation once per quant_config object (vLLM builds it once per layer and
+        passes the experts' own on every call), then what a call can change: the
+        defer_input_quant flag and a1, bfloat16 [M, K] with contiguous channels and K a multiple
+        of 128 (the quantisation launch on CUDA relies on it)."""
+        if quant_config is not self._checked_quant_config:
+            problem = quant_config_problem(quant_config)
+            if problem is not None:
+                raise ValueError(f"vllm_moe_fixes prepare/finalize serves block-FP8 128x128 "
+                                 f"layers: {problem}")
+            self._checked_quant_config = quant_config
+        if defer_input_quant:
+            raise ValueError("defer_input_quant=True: this prepare/finalize always quantises the "
+                             "input (pair it with experts that take FP8 activations)")
+        if not (a1.dim() == 2 and a1.dtype == torch.bfloat16 and a1.shape[1] % SCALE_BLOCK == 0
+                and (a1.stride(1) == 1 or a1.shape[1] <= 1)):
+            raise ValueError(f"a1 must be bfloat16 [M, K] with contiguous channels and K a "
+                             f"multiple of {SCALE_BLOCK}, got {a1.dtype} {tuple(a1.shape)} "
+                             f"strides {a1.stride()}")
+
+
+class _StandardAdapter(_VllmPrepareAndFinalize):
     """What the two standard-layout adapters share: format, finalize's reduction mapping."""
 
     def __init__(self, ours) -> None:
@@ -135,7 +147,7 @@ class VllmNoEPPrepareAndFinalize(_StandardAdapter):
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input, quant_config, defer_input_quant=False):
         """a1 bf16 [M, K] -> (a1q fp8 [M, K], a1q_scale f32 [M, K/128], None, None, None)."""
-        _check_prepare_inputs(a1, quant_config, defer_input_quant)
+        self._check_prepare_inputs(a1, quant_config, defer_input_quant)
         res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
                                 apply_router_weight_on_input)
         return res.a1q, res.a1q_scale, None, None, None
@@ -158,7 +170,7 @@ class _StandardDispatchAdapter(_StandardAdapter):
         and on the host; None where V2 dispatched without the CPU sync), topk_ids int64 [M', k]
         global ids in vLLM's convention (module docstring), topk_weights f32 [M', k] (0 where
         the expert is elsewhere))."""
-        _check_prepare_inputs(a1, quant_config, defer_input_quant)
+        self._check_prepare_inputs(a1, quant_config, defer_input_quant)
         res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
                                 apply_router_weight_on_input)
         elsewhere = num_experts - 1 if self.ours.rank_expert_offset == 0 else 0
@@ -227,7 +239,7 @@ class VllmDeepEPV2PrepareAndFinalize(_StandardDispatchAdapter):
         return cls(buffer, **wiring)
 
 
-class VllmDeepEPLLPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
+class VllmDeepEPLLPrepareAndFinalize(_VllmPrepareAndFinalize):
     """``DeepEPLLPrepareAndFinalize`` for vLLM over vLLM's low-latency DeepEP buffer; batched
     layout [E_l, R*N, K]; FP8 dispatch (DeepEP's cast, 1x128 groups).
 
@@ -280,7 +292,7 @@ class VllmDeepEPLLPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """a1 bf16 [M, K] (M <= N) -> (a1q fp8 [E_l, R*N, K], a1q_scale f32 [E_l, R*N, K/128]
         MN-major per expert, ExpertTokensMetadata (int32 [E_l] valid rows, device only), None,
         None); rows past a count are undefined."""
-        _check_prepare_inputs(a1, quant_config, defer_input_quant)
+        self._check_prepare_inputs(a1, quant_config, defer_input_quant)
         res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
                                 apply_router_weight_on_input)
         meta = mk.ExpertTokensMetadata(expert_num_tokens=res.expert_num_tokens,

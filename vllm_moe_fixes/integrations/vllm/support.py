@@ -83,11 +83,31 @@ def parallel_config_problem(cfg: FusedMoEParallelConfig, batched: bool) -> str |
     return None
 
 
+def activation_problem(moe: FusedMoEConfig) -> str | None:
+    """Why the layer's activation is not the SiLU-and-mul ours run, or None."""
+    if moe.activation != MoEActivation.SILU or not moe.is_act_and_mul:
+        return f"activation {moe.activation.value} (ours: silu with a gate/up multiply)"
+    return None
+
+
+def sizes_problem(hidden: int, intermediate: int | None = None) -> str | None:
+    """Why a hidden size (and intermediate size per partition) are not multiples of the 128
+    block every backend of ours runs, or None."""
+    if intermediate is None:
+        return f"hidden size {hidden} must be a multiple of {SCALE_BLOCK}" \
+            if hidden % SCALE_BLOCK else None
+    if hidden % SCALE_BLOCK or intermediate % SCALE_BLOCK:
+        return (f"hidden size {hidden} and intermediate size per partition {intermediate} must "
+                f"be multiples of {SCALE_BLOCK}")
+    return None
+
+
 def moe_config_problem(moe: FusedMoEConfig) -> str | None:
     """Why the layer described by ``moe`` is not served, or None (the quantisation is checked by
     ``quant_config_problem``, the parallel layout by ``parallel_config_problem``)."""
-    if moe.activation != MoEActivation.SILU or not moe.is_act_and_mul:
-        return f"activation {moe.activation.value} (ours: silu with a gate/up multiply)"
+    problem = activation_problem(moe)
+    if problem is not None:
+        return problem
     if moe.in_dtype != torch.bfloat16:
         return f"activations are {moe.in_dtype} (ours: bfloat16)"
     if getattr(moe, "has_bias", False):
@@ -101,10 +121,9 @@ def moe_config_problem(moe: FusedMoEConfig) -> str | None:
                  "activation_situ_linear_beta"):
         if getattr(moe, name, None) is not None:
             return f"{name} is set (ours run plain SiLU-and-mul)"
-    intermediate = moe.intermediate_size_per_partition
-    if moe.hidden_dim % SCALE_BLOCK or intermediate % SCALE_BLOCK:
-        return (f"hidden size {moe.hidden_dim} and intermediate size per partition "
-                f"{intermediate} must be multiples of {SCALE_BLOCK}")
+    problem = sizes_problem(moe.hidden_dim, moe.intermediate_size_per_partition)
+    if problem is not None:
+        return problem
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None:  # a layer built outside an engine: no micro-batching, linear placement
         return None
