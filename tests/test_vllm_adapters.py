@@ -226,3 +226,6 @@ def test_low_latency_refuses_routing_tables_and_a_small_buffer():
     VllmDeepEPLLPrepareAndFinalize(Buffer(), **args)
     with pytest.raises(ValueError, match="hidden=256"):  # no low-latency kernel for it
         VllmDeepEPLLPrepareAndFinalize(Buffer(), **{**args, "hidden": 256})
+    # the rank count, read from the buffer in one place (buffer_rank_and_size)
+    with pytest.raises(ValueError, match="num_dispatchers=2 but the buffer's group has 1 ranks"):
+        VllmDeepEPLLPrepareAndFinalize(Buffer(), **{**args, "num_dispatchers": 2})

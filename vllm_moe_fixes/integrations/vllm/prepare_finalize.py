@@ -196,10 +196,10 @@ class VllmDeepEPHTPrepareAndFinalize(_StandardDispatchAdapter):
 
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int, hidden: int,
                  num_experts: int) -> None:
-        check_deepep_buffer(buffer, low_latency=False, num_ranks=num_dispatchers, hidden=hidden,
-                            num_experts=num_experts)
         super().__init__(DeepEPHTPrepareAndFinalize(
             buffer, num_dispatchers=num_dispatchers, rank_expert_offset=rank_expert_offset))
+        check_deepep_buffer(buffer, low_latency=False, num_ranks=num_dispatchers, hidden=hidden,
+                            num_experts=num_experts)
 
     @classmethod
     def for_vllm_layer(cls, moe_config, buffer, **wiring):
@@ -258,11 +258,11 @@ class VllmDeepEPLLPrepareAndFinalize(_VllmPrepareAndFinalize):
                  local_expert_global_ids=None) -> None:
         super().__init__()
         check_no_routing_tables((global_to_physical, physical_to_global, local_expert_global_ids))
-        check_deepep_buffer(buffer, low_latency=True, num_ranks=num_dispatchers, hidden=hidden,
-                            num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank)
         self.ours = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=num_dispatchers,
                                                max_tokens_per_rank=max_tokens_per_rank,
                                                use_fp8_dispatch=True)
+        check_deepep_buffer(buffer, low_latency=True, num_ranks=num_dispatchers, hidden=hidden,
+                            num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank)
 
     @classmethod
     def for_vllm_layer(cls, moe_config, buffer, **wiring):

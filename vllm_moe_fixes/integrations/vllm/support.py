@@ -153,11 +153,9 @@ def check_deepep_buffer(buffer, *, low_latency: bool, num_ranks: int, hidden: in
     and expert split DeepEP v1.2.1 takes, and at least the NVLink / RDMA bytes its hints ask for.
 
     buffer: a ``deep_ep.Buffer`` (or this library's ``TorchAll2AllBuffer``, which has no NVLink
-    buffer) over ``num_ranks`` ranks; max_tokens_per_rank: the low-latency dispatch's N.
+    buffer) over ``num_ranks`` ranks (which our prepare/finalize checks when built, with
+    ``buffer_rank_and_size``); max_tokens_per_rank: the low-latency dispatch's N.
     """
-    if getattr(buffer, "group_size", num_ranks) != num_ranks:
-        raise ValueError(f"vLLM's DeepEP buffer spans {buffer.group_size} ranks, the layer's "
-                         f"all-to-all {num_ranks}")
     if bool(getattr(buffer, "low_latency_mode", False)) != low_latency:
         raise ValueError(f"vLLM's DeepEP buffer has low_latency_mode="
                          f"{getattr(buffer, 'low_latency_mode', False)}; this prepare/finalize "
