@@ -122,6 +122,25 @@ def test_plan_with_a_model_file_that_is_not_utf8_names_the_file(tmp_path, capsys
     assert f"cannot read model config '{path}'" in err and "UTF-8" in err, err
 
 
+_FIELDS = ('"hidden_size": 1024, "moe_intermediate_size": 256, "top_k": 2, "vocab_size": 100, '
+           '"num_layers": 2')
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"num_experts": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested deeper"),
+    ("{" + _FIELDS + ', "num_experts": ' + "7" * 5001 + "}",
+     "num_experts must be an int in [1, 1024], got an integer of 5001 digits")])
+def test_plan_with_a_deep_or_huge_model_file_names_the_file_and_field(tmp_path, capsys, text,
+                                                                      says):
+    """Python's JSON parser raises RecursionError past its nesting limit, and int() refuses more
+    than 4300 digits naming neither file nor field: plan says both, as a usage error."""
+    path = tmp_path / "model.json"
+    path.write_text(text)
+    assert main(["plan", "--model", str(path), "--dp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"model config '{path}'" in err and says in err, err
+
+
 # ------------------------------------------------------------------ benchmarks on a CPU
 @pytest.mark.parametrize("module", ["bench_quant", "bench_moe_sum", "bench_grouped_topk",
                                     "bench_experts", "bench_grouped_gemm"])

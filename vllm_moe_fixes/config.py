@@ -138,22 +138,49 @@ def config_from_dict(data: dict, default_name: str = "custom") -> MoEModelConfig
     return MoEModelConfig(**data)
 
 
+class _LongIntegerLiteral:
+    """A JSON integer of more digits than ``int()`` converts (``sys.get_int_max_str_digits()``),
+    kept as text: the field check then refuses it by field name, where ``int()`` would raise an
+    error naming neither the file nor the field."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"an integer of {len(self.text.lstrip('-'))} digits"
+
+
+def _json_int(text: str) -> int | _LongIntegerLiteral:
+    try:
+        return int(text)
+    except ValueError:  # only the digit limit: json hands over valid integer literals
+        return _LongIntegerLiteral(text)
+
+
 def load_model_config(model: str) -> MoEModelConfig:
     """Return the preset named ``model`` or, when ``model`` is a path to a ``.json`` file (or any
     existing file), the config it holds. Raises ``ValueError`` for an unknown preset, an unreadable
-    file, bad JSON or a bad field."""
+    file, bad JSON (also nested deeper than Python's parser goes) or a bad field, naming the file
+    and the field."""
     if model in PRESETS:
         return PRESETS[model]
     if model.endswith(".json") or os.path.isfile(model):
         try:
             with open(model, encoding="utf-8") as f:
-                data = json.load(f)
+                data = json.load(f, parse_int=_json_int)
         except UnicodeDecodeError as e:  # a ValueError too, but one that names no file
             raise ValueError(f"cannot read model config {model!r}: it is not UTF-8 text "
                              f"({e})") from None
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read model config {model!r}: {e}") from None
+        except RecursionError:
+            raise ValueError(f"cannot read model config {model!r}: its JSON is nested deeper "
+                             "than Python's parser goes (a model config is one flat object)"
+                             ) from None
         stem = os.path.splitext(os.path.basename(model))[0]
-        return config_from_dict(data, default_name=stem)
+        try:
+            return config_from_dict(data, default_name=stem)
+        except ValueError as e:
+            raise ValueError(f"model config {model!r}: {e}") from None
     raise ValueError(f"unknown model {model!r}; presets: {', '.join(PRESETS)}; "
                      f"or a path to a JSON file of the same fields")
