@@ -13,6 +13,7 @@ import torch
 from _dist import device_for, run_distributed
 from test_torch_buffer import make_problem
 
+from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
 from vllm_moe_fixes.distributed.torch_elastic_buffer import TorchElasticBuffer
 from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import DeepEPV2PrepareAndFinalize
@@ -271,6 +272,23 @@ def test_prepare_finalize_arguments(kwargs, match):
     with pytest.raises(ValueError, match="exceed max_tokens_per_rank=4"):
         pf.prepare(torch.zeros(5, 128, dtype=torch.bfloat16), torch.ones(5, 1),
                    torch.zeros(5, 1, dtype=torch.int64), 8, None, False)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29: the message is built in "
+                                       "_DeepEPPrepareAndFinalize.__init__ (fused_moe/"
+                                       "deepep_prepare_finalize.py), left to the fused_moe "
+                                       "restructure")
+@pytest.mark.parametrize("buffer", [TorchAll2AllBuffer.__new__(TorchAll2AllBuffer), object()],
+                         ids=["v1_stand_in", "object"])
+def test_a_wrong_buffer_is_told_what_v2_takes(buffer):
+    """V2 takes an ElasticBuffer or its stand-in; the message names those, not V1's buffers
+    (it said 'must be a deep_ep.Buffer or TorchAll2AllBuffer ...; got TorchAll2AllBuffer')."""
+    with pytest.raises(ValueError) as refused:
+        DeepEPV2PrepareAndFinalize(buffer, num_dispatchers=1, rank_expert_offset=0)
+    wanted, _, got = str(refused.value).rpartition("got ")
+    assert "ElasticBuffer" in wanted and "TorchElasticBuffer" in wanted, str(refused.value)
+    assert "TorchAll2AllBuffer" not in wanted and "deep_ep.Buffer" not in wanted
+    assert got == type(buffer).__name__
 
 
 class _RankedFakeElastic(_FakeElastic):
