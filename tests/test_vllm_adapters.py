@@ -229,3 +229,55 @@ def test_low_latency_refuses_routing_tables_and_a_small_buffer():
     # the rank count, read from the buffer in one place (buffer_rank_and_size)
     with pytest.raises(ValueError, match="num_dispatchers=2 but the buffer's group has 1 ranks"):
         VllmDeepEPLLPrepareAndFinalize(Buffer(), **{**args, "num_dispatchers": 2})
+
+
+def _low_latency_parallel_config():
+    """Rank 0 of 2 (DP = EP = 2) with vLLM's deepep_low_latency all-to-all: the batched layout."""
+    return FusedMoEParallelConfig(
+        tp_size=1, pcp_size=1, dp_size=2, ep_size=2, tp_rank=0, pcp_rank=0, dp_rank=0,
+        ep_rank=0, sp_size=1, use_ep=True, all2all_backend="deepep_low_latency",
+        enable_eplb=False)
+
+
+@pytest.mark.parametrize("cls_name", ["VllmTritonExperts", "VllmDeepGemmExperts",
+                                      "VllmBatchedTritonExperts", "VllmBatchedDeepGemmExperts"])
+def test_every_adapter_answers_each_capability_question(cls_name, monkeypatch):
+    """Every question vLLM's selector asks an experts class (is_supported_config, each
+    _supports_*) and the plugin's unserved_reason, for each of the four adapters on a layer of
+    its layout: an answer, never an exception. On a CPU the DeepGEMM classes answer False for the
+    device, also when the platform claims CUDA and DeepGEMM does not import."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_moe_fixes.integrations.vllm import experts as adapters
+    cls = getattr(adapters, cls_name)
+    fmt = cls.activation_format()
+    parallel = _low_latency_parallel_config() if cls.batched else None
+    cfg = moe_config(8, 2, local_experts=4 if cls.batched else None, parallel=parallel,
+                     max_num_tokens=64)  # 2 ranks x 64 = 128 rows per expert slice
+    block = (kFp8Static128BlockSym, kFp8Dynamic128Sym)
+    on_cpu = not torch.cuda.is_available()
+    served, reason = cls.is_supported_config(cls, cfg, *block, fmt)
+    if cls._needs_deep_gemm and on_cpu:
+        assert not served and "current device" in reason
+    else:
+        assert served, reason
+    assert cls._supports_current_device() is (served or not cls._needs_deep_gemm)
+    assert cls._supports_no_act_and_mul() is False
+    assert cls._supports_quant_scheme(*block) is True
+    assert cls._supports_quant_scheme(kFp8StaticTensorSym, kFp8DynamicTensorSym) is False
+    assert cls._supports_activation(MoEActivation.SILU) is True
+    assert cls._supports_activation(MoEActivation.GELU) is False
+    assert cls._supports_shape(K) is True and cls._supports_shape(K + 64) is False
+    assert cls._supports_parallel_config(cfg.moe_parallel_config) is True
+    other_layout = FusedMoEParallelConfig.make_no_parallel() if cls.batched \
+        else _low_latency_parallel_config()
+    assert cls._supports_parallel_config(other_layout) is False
+    with set_current_vllm_config(VllmConfig()):
+        assert cls.unserved_reason(cfg) is None
+        assert "bias" in cls.unserved_reason(moe_config(8, 2, parallel=parallel, has_bias=True))
+        if cls is adapters.VllmBatchedDeepGemmExperts:  # DeepGEMM's masked GEMM: 128-row slices
+            odd = moe_config(8, 2, local_experts=4, parallel=parallel, max_num_tokens=48)
+            assert "96 rows per expert slice is not a multiple of 128" in cls.unserved_reason(odd)
+    if cls._needs_deep_gemm and on_cpu:  # a platform that says CUDA, DeepGEMM not importable
+        monkeypatch.setattr(adapters.current_platform, "is_cuda", lambda: True)
+        assert cls._supports_current_device() is False

@@ -217,9 +217,9 @@ class VllmBatchedDeepGemmExperts(_BatchedExperts):
     def unserved_reason(cls, moe_config) -> str | None:
         problem = super().unserved_reason(moe_config)
         rows = moe_config.max_num_tokens * moe_config.moe_parallel_config.ep_size
-        if problem is None and rows % cls._ours.ROW_ALIGNMENT:
+        if problem is None and rows % cls._ours.MASKED_TILE_ROWS:
             problem = (f"T = ep_size * max_num_tokens = {rows} rows per expert slice is not a "
-                       f"multiple of {cls._ours.ROW_ALIGNMENT} (DeepGEMM's masked GEMM)")
+                       f"multiple of {cls._ours.MASKED_TILE_ROWS} (DeepGEMM's masked GEMM)")
         return problem
 
 
