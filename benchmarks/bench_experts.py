@@ -205,8 +205,8 @@ def bench_batched(name, make_experts, w, token_counts):
                                                  generator=g).bfloat16())
 
         def apply():
-            experts.apply(out, a1q, a1s, w[0], w[2], w[1], w[3], None, None, "silu", ws13, ws2,
-                          counts, expected_m=expected_m)
+            experts.apply(out, a1q, a1s, w, workspace13=ws13, workspace2=ws2,
+                          expert_num_tokens=counts, expected_m=expected_m)
         row = dict(backend=name, tokens=tokens, max_rows=int(counts.max()), expected_m=expected_m,
                    loop_us=loop_us(apply, 200), us=bench_us(apply, [()]),
                    graph_us=graph_us(apply, [()], calls=8), host_us=host_us(apply, [()]))

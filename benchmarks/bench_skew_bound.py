@@ -71,7 +71,7 @@ def bench_routing(name, make_experts, w, emap, M, skewed, passes_list):
     for passes in passes_list:
         os.environ[CHUNK] = str(cdiv(M, passes))
         experts = make_experts()
-        shapes = experts.workspace_shapes(M, I, K, TOPK, E_L)
+        shapes = experts.workspace_shapes(M, I, K, TOPK, E_L, tokens_per_pass=cdiv(M, passes))
         declared = 2 * sum(torch.Size(s).numel() for s in shapes[:2])
         torch.cuda.empty_cache()
         with peak_memory() as peak:
@@ -80,8 +80,9 @@ def bench_routing(name, make_experts, w, emap, M, skewed, passes_list):
             out = ws13.view(-1)[:M * K].view(M, K)
 
             def apply():
-                experts.apply(out, a1q, a1s, w.w1, w.w2, w.w1_scale, w.w2_scale, ids, emap,
-                              "silu", ws13, ws2, None, topk_weights=weights)
+                experts.apply(out, a1q, a1s, w, workspace13=ws13, workspace2=ws2, topk_ids=ids,
+                              expert_map=emap, topk_weights=weights,
+                              tokens_per_pass=cdiv(M, passes))
             apply()
         result = out.clone()
         us = bench_us(apply, [()])

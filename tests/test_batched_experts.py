@@ -16,7 +16,7 @@ from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import quant_batched_fp8
 from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_masked_ref
 from vllm_moe_fixes.sizes import expected_rows_per_expert
-from vllm_moe_fixes.testing import moe_reference, random_fp8_moe_weights
+from vllm_moe_fixes.testing import Fp8MoEWeights, moe_reference, random_fp8_moe_weights
 
 
 class LocalBatchedPrepareAndFinalize(PrepareAndFinalize):
@@ -125,8 +125,9 @@ def test_batched_apply_with_exact_poisoned_workspaces(I, K, T, device, monkeypat
         return real_gemm(self, a, w, o, m, expected_m)
 
     monkeypatch.setattr(BatchedTritonExperts, "gemm", gemm)
-    experts.apply(out, a_q, a_s, w1, w2, w1s, w2s, None, None, "silu", ws13, ws2,
-                  torch.tensor(counts, dtype=torch.int32, device=device))
+    experts.apply(out, a_q, a_s, Fp8MoEWeights(w1, w1s, w2, w2s), workspace13=ws13,
+                  workspace2=ws2,
+                  expert_num_tokens=torch.tensor(counts, dtype=torch.int32, device=device))
     for buf in (buf13, buf2):
         assert buf[:guard].isnan().all() and buf[-guard:].isnan().all()
     g_q, g_s = seen[1]  # GEMM2's input: G' and its scales, filling ws2

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _layer import make_problem, new_kernel, run
-from vllm_moe_fixes.fused_moe import BatchedTritonExperts, TritonExperts
+from vllm_moe_fixes.fused_moe import BatchedTritonExperts, Fp8MoEWeights, TritonExperts
 from vllm_moe_fixes.ops.fp8_quant import quant_batched_fp8, per_token_group_quant_fp8
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 
@@ -44,8 +44,9 @@ def _experts_call(experts, p, E):
     ws13 = torch.empty(ws13_shape, dtype=torch.bfloat16)
     ws2 = torch.empty(ws2_shape, dtype=torch.bfloat16)
     out = ws13.view(-1)[:M * K].view(out_shape)  # the output aliases workspace13, as in vLLM
-    experts.apply(out, a1q, a1s, w1, w2, p["w1_scale"], p["w2_scale"], p["topk_ids"], None,
-                  "silu", ws13, ws2, None, topk_weights=p["topk_weights"])
+    experts.apply(out, a1q, a1s, Fp8MoEWeights(w1, p["w1_scale"], w2, p["w2_scale"]),
+                  workspace13=ws13, workspace2=ws2, topk_ids=p["topk_ids"],
+                  topk_weights=p["topk_weights"])
     return out.clone()
 
 
@@ -73,8 +74,9 @@ def test_batched_experts_trace_as_one_graph():
         ws13 = torch.empty(ws13_shape, dtype=torch.bfloat16)
         ws2 = torch.empty(ws2_shape, dtype=torch.bfloat16)
         out = torch.full(out_shape, float("nan"), dtype=torch.bfloat16)
-        experts.apply(out, a1q, a1s, p["w1"], p["w2"], p["w1_scale"], p["w2_scale"], None, None,
-                      "silu", ws13, ws2, counts)
+        experts.apply(out, a1q, a1s, Fp8MoEWeights(p["w1"], p["w1_scale"], p["w2"],
+                                                   p["w2_scale"]),
+                      workspace13=ws13, workspace2=ws2, expert_num_tokens=counts)
         return out
 
     want = call(a1q, a1s, counts)

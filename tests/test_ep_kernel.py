@@ -30,7 +30,7 @@ from vllm_moe_fixes.fused_moe.kernel_factory import local_expert_map, make_moe_k
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.ops.fp8_quant import quant_batched_fp8
-from vllm_moe_fixes.testing import moe_reference, rel_err
+from vllm_moe_fixes.testing import Fp8MoEWeights, moe_reference, rel_err
 
 INTER = 128  # intermediate size I
 
@@ -286,7 +286,8 @@ def _apply_batched(experts, a_q, a_s, w1, s1, w2, s2, counts):
     ws13 = torch.full(ws13_shape, float("nan"), dtype=torch.bfloat16, device=a_q.device)
     ws2 = torch.full(ws2_shape, float("nan"), dtype=torch.bfloat16, device=a_q.device)
     out = ws13.view(-1)[:torch.Size(out_shape).numel()].view(out_shape)
-    experts.apply(out, a_q, a_s, w1, w2, s1, s2, None, None, "silu", ws13, ws2, counts)
+    experts.apply(out, a_q, a_s, Fp8MoEWeights(w1, s1, w2, s2), workspace13=ws13, workspace2=ws2,
+                  expert_num_tokens=counts)
     return out
 
 
@@ -309,7 +310,8 @@ def test_batched_experts_errors():
     with pytest.raises(ValueError, match="expert_num_tokens"):
         _apply_batched(BatchedTritonExperts(), a_q, a_s, w1, s1, w2, s2, None)
     with pytest.raises(ValueError, match="activation"):
-        BatchedTritonExperts().apply(None, a_q, a_s, w1, w2, s1, s2, None, None, "gelu", None, None, counts)
+        BatchedTritonExperts().apply(None, a_q, a_s, Fp8MoEWeights(w1, s1, w2, s2), workspace13=None,
+                                     workspace2=None, expert_num_tokens=counts, activation="gelu")
 
 
 def test_batched_deep_gemm_refuses_slices_its_tiles_overrun():

@@ -148,22 +148,22 @@ class UnreducedExperts(TritonExperts):
 
     reduces_output = False
 
-    def workspace_shapes(self, M, I, K, topk, local_num_experts):
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
         ws13, ws2, _ = TritonExperts().workspace_shapes(M, I, K, 1, local_num_experts)
         return (M * topk * K + ws13[0] * ws13[1],), ws2, (M, topk, K)
 
-    def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
-              activation, workspace13, workspace2, expert_num_tokens, *, topk_weights=None,
-              expected_m=None):
-        (M, k), K, I = topk_ids.shape, w2.shape[1], w2.shape[2]
-        ws13, ws2, _ = TritonExperts().workspace_shapes(M, I, K, 1, w2.shape[0])
+    def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
+              expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
+              tokens_per_pass=None, activation="silu"):
+        (M, k), (E_l, K, I) = topk_ids.shape, weights.w2.shape
+        ws13, ws2, _ = TritonExperts().workspace_shapes(M, I, K, 1, E_l)
         inner13 = workspace13[output.numel():].view(ws13)
         inner2 = workspace2.view(-1)[:ws2[0] * ws2[1]].view(ws2)
         rows = torch.empty(M, K, dtype=output.dtype)
         for j in range(k):  # slot j alone, unweighted: its row of the [M, k, K] output
-            super().apply(rows, a1q, a1q_scale, w1, w2, w1_scale, w2_scale,
-                          topk_ids[:, j:j + 1].contiguous(), expert_map, activation, inner13,
-                          inner2, expert_num_tokens)
+            super().apply(rows, a1q, a1q_scale, weights, workspace13=inner13,
+                          workspace2=inner2, topk_ids=topk_ids[:, j:j + 1].contiguous(),
+                          expert_map=expert_map)
             output[:, j] = rows
 
 

@@ -44,7 +44,7 @@ from vllm_moe_fixes.sizes import (
     contiguous_num_rows,
     contiguous_workspace_shapes,
 )
-from vllm_moe_fixes.testing import random_fp8_moe_weights
+from vllm_moe_fixes.testing import Fp8MoEWeights, random_fp8_moe_weights
 
 CHUNK = "VLLM_FUSED_MOE_CHUNK_SIZE"
 
@@ -91,13 +91,14 @@ def _received(M, K, k, E_l, seed, *, zero_ids, with_map=False, device="cpu"):
     return move(a1q), move(a1s), move(ids), move(weights), move(emap)
 
 
-def _apply(experts, w, received, I, K, *, out_in_ws13=True, guard=64, device="cpu"):
-    """experts.apply on the received tokens with workspaces of exactly the declared shapes,
-    NaN-filled between NaN guard bands; returns (output, guards untouched)."""
+def _apply(experts, w, received, I, K, *, bound, out_in_ws13=True, guard=64, device="cpu"):
+    """experts.apply on the received tokens in passes of at most `bound` tokens, with
+    workspaces of exactly the declared shapes, NaN-filled between NaN guard bands; returns
+    (output, guards untouched)."""
     a1q, a1s, ids, weights, emap = received
     M, k = ids.shape
     E_l = w[0].shape[0]
-    shapes = experts.workspace_shapes(M, I, K, k, E_l)
+    shapes = experts.workspace_shapes(M, I, K, k, E_l, tokens_per_pass=bound)
     bufs = []
     for shape in shapes[:2]:
         n = torch.Size(shape).numel()
@@ -108,8 +109,8 @@ def _apply(experts, w, received, I, K, *, out_in_ws13=True, guard=64, device="cp
         out = ws13.view(-1)[:M * K].view(M, K)
     else:  # the layer's own output (no combine after the experts)
         out = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device=device)
-    experts.apply(out, a1q, a1s, w[0], w[2], w[1], w[3], ids, emap, "silu", ws13, ws2, None,
-                  topk_weights=weights)
+    experts.apply(out, a1q, a1s, Fp8MoEWeights(*w), workspace13=ws13, workspace2=ws2,
+                  topk_ids=ids, expert_map=emap, topk_weights=weights, tokens_per_pass=bound)
     guards_ok = all(b[:guard].isnan().all() and b[-guard:].isnan().all() for b in (buf13, buf2))
     return out.clone(), guards_ok
 
@@ -118,9 +119,9 @@ def _count_passes(monkeypatch):
     calls = []
     real = experts_mod.ContiguousExperts._apply_pass
 
-    def counted(self, output, *args):
+    def counted(self, output, *args, **kwargs):
         calls.append(output.shape[0])
-        return real(self, output, *args)
+        return real(self, output, *args, **kwargs)
 
     monkeypatch.setattr(experts_mod.ContiguousExperts, "_apply_pass", counted)
     return calls
@@ -150,14 +151,14 @@ def test_declared_shapes_are_one_pass_plus_the_output():
     assert _declared_bytes(bounded) < 5 * 2**30 < _declared_bytes(unbounded) / 8
 
 
-def test_experts_declare_the_bound_of_the_environment(monkeypatch):
-    monkeypatch.setenv(CHUNK, "64")
-    assert TritonExperts.tokens_per_pass() == 64
-    assert TritonExperts().workspace_shapes(1000, 128, 256, 2, 4) == \
+def test_experts_declare_the_bound_they_are_given(monkeypatch):
+    monkeypatch.setenv(CHUNK, "7")  # not read below the kernel: the bound is a parameter
+    assert TritonExperts().workspace_shapes(1000, 128, 256, 2, 4, tokens_per_pass=64) == \
         contiguous_workspace_shapes(1000, 128, 256, 2, 4, 64)
-    monkeypatch.setenv(CHUNK, "1000")
-    assert TritonExperts().workspace_shapes(1000, 128, 256, 2, 4) == \
-        contiguous_workspace_shapes(1000, 128, 256, 2, 4)
+    for one_pass in (1000, None):
+        assert TritonExperts().workspace_shapes(1000, 128, 256, 2, 4,
+                                                tokens_per_pass=one_pass) == \
+            contiguous_workspace_shapes(1000, 128, 256, 2, 4)
 
 
 # ------------------------------------------------------------------------------------ the bits
@@ -180,14 +181,13 @@ def test_passes_give_the_bits_of_one_pass_torch_path(M, bound, E_l, k, with_map,
     if with_map:
         w = tuple(t[0::2].contiguous() for t in w)  # the even experts live here
     received = _received(M, K, k, E_l, seed=M, zero_ids=zero_ids, with_map=with_map)
-    monkeypatch.setenv(CHUNK, str(M))
     calls = _count_passes(monkeypatch)
-    one_pass, ok = _apply(TritonExperts(), w, received, I, K)
+    one_pass, ok = _apply(TritonExperts(), w, received, I, K, bound=M)
     assert ok and calls == [M]
     for out_in_ws13 in (True, False):
-        monkeypatch.setenv(CHUNK, str(bound))
         calls.clear()
-        passes, ok = _apply(TritonExperts(), w, received, I, K, out_in_ws13=out_in_ws13)
+        passes, ok = _apply(TritonExperts(), w, received, I, K, bound=bound,
+                            out_in_ws13=out_in_ws13)
         assert ok and calls == [min(bound, M - s) for s in range(0, M, bound)]
         assert torch.isfinite(passes).all()
         assert torch.equal(passes, one_pass)
@@ -207,16 +207,16 @@ def test_passes_give_the_bits_of_one_pass_and_allocate_nothing_under_the_interpr
                          device=kernel_device)
     outs = []
     for bound in (M, 12):
-        monkeypatch.setenv(CHUNK, str(bound))
         experts = TritonExperts()
-        shapes = experts.workspace_shapes(M, I, K, k, E_l)
+        shapes = experts.workspace_shapes(M, I, K, k, E_l, tokens_per_pass=bound)
         ws13 = torch.empty(shapes[0], dtype=torch.bfloat16, device=kernel_device)
         ws2 = torch.empty(shapes[1], dtype=torch.bfloat16, device=kernel_device)
         out = ws13.view(-1)[:M * K].view(M, K)
         a1q, a1s, ids, weights, emap = received
         with tracked_cpu_peak() as peak:
-            experts.apply(out, a1q, a1s, w[0], w[2], w[1], w[3], ids, emap, "silu", ws13, ws2,
-                          None, topk_weights=weights)
+            experts.apply(out, a1q, a1s, Fp8MoEWeights(*w), workspace13=ws13, workspace2=ws2,
+                          topk_ids=ids, expert_map=emap, topk_weights=weights,
+                          tokens_per_pass=bound)
         assert peak["bytes"] < 4096, peak  # a few index scalars at most
         outs.append(out.clone())
     assert torch.equal(outs[0], outs[1])
@@ -231,16 +231,15 @@ def test_apply_memory_does_not_grow_with_the_tokens_received(monkeypatch):
     w = random_fp8_moe_weights(E_l, K, I, generator=torch.Generator().manual_seed(1))
 
     def apply_peak(M, bound):
-        monkeypatch.setenv(CHUNK, str(bound))
         experts = TritonExperts()
         a1q, a1s, ids, weights, emap = _received(M, K, k, E_l, seed=M, zero_ids=True)
-        shapes = experts.workspace_shapes(M, I, K, k, E_l)
+        shapes = experts.workspace_shapes(M, I, K, k, E_l, tokens_per_pass=bound)
         ws13 = torch.empty(shapes[0], dtype=torch.bfloat16)
         ws2 = torch.empty(shapes[1], dtype=torch.bfloat16)
         out = ws13.view(-1)[:M * K].view(M, K)
         with tracked_cpu_peak() as peak:
-            experts.apply(out, a1q, a1s, w[0], w[2], w[1], w[3], ids, emap, "silu", ws13, ws2,
-                          None, topk_weights=weights)
+            experts.apply(out, a1q, a1s, w, workspace13=ws13, workspace2=ws2, topk_ids=ids,
+                          expert_map=emap, topk_weights=weights, tokens_per_pass=bound)
         return peak["bytes"]
 
     bounded = [apply_peak(M, T) for M in (T, 3 * T, 6 * T)]
@@ -357,9 +356,8 @@ def test_gpu_passes_bit_exact_and_peak_is_the_declared_workspaces(backend, zero_
     a1q, a1s, ids, weights, emap = received
     outs = []
     for bound in (M, T):
-        monkeypatch.setenv(CHUNK, str(bound))
         experts = experts_cls()
-        shapes = experts.workspace_shapes(M, I, K, k, E_l)
+        shapes = experts.workspace_shapes(M, I, K, k, E_l, tokens_per_pass=bound)
         experts_out = None
         for measured in (False, True):  # the first call compiles the kernels
             torch.cuda.empty_cache()
@@ -367,8 +365,9 @@ def test_gpu_passes_bit_exact_and_peak_is_the_declared_workspaces(backend, zero_
                 ws13 = torch.empty(shapes[0], dtype=torch.bfloat16, device="cuda")
                 ws2 = torch.empty(shapes[1], dtype=torch.bfloat16, device="cuda")
                 experts_out = ws13.view(-1)[:M * K].view(M, K)
-                experts.apply(experts_out, a1q, a1s, w[0], w[2], w[1], w[3], ids, emap, "silu",
-                              ws13, ws2, None, topk_weights=weights)
+                experts.apply(experts_out, a1q, a1s, Fp8MoEWeights(*w), workspace13=ws13,
+                              workspace2=ws2, topk_ids=ids, expert_map=emap,
+                              topk_weights=weights, tokens_per_pass=bound)
             if measured:
                 declared = _declared_bytes(shapes)
                 assert declared <= peak.bytes <= 1.01 * declared + 2 * 2**20, (peak.bytes,
@@ -383,8 +382,9 @@ def test_gpu_passes_bit_exact_and_peak_is_the_declared_workspaces(backend, zero_
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")  # the passes read nothing on the host
             try:
-                experts.apply(ws13.view(-1)[:M * K].view(M, K), a1q, a1s, w[0], w[2], w[1], w[3],
-                              ids, emap, "silu", ws13, ws2, None, topk_weights=weights)
+                experts.apply(ws13.view(-1)[:M * K].view(M, K), a1q, a1s, Fp8MoEWeights(*w),
+                              workspace13=ws13, workspace2=ws2, topk_ids=ids, expert_map=emap,
+                              topk_weights=weights, tokens_per_pass=bound)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(outs[1], outs[3])

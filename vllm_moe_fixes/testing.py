@@ -14,11 +14,10 @@ ops/fp8.py is its inverse.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from vllm_moe_fixes.ops.activation import silu_and_mul
+from vllm_moe_fixes.fused_moe.interfaces import Fp8MoEWeights
 from vllm_moe_fixes.fused_moe.reference import moe_reference
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
@@ -44,14 +43,6 @@ def quant_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-4)
     q = (blocks * (FP8_MAX / amax)).to(FP8_DTYPE).flatten(-2).flatten(-3, -2)
     return q, (amax / FP8_MAX).squeeze(-1).squeeze(-2)
-
-
-class Fp8MoEWeights(NamedTuple):
-    """One layer's block-FP8 expert weights (E experts, hidden size K, intermediate size I)."""
-    w1: torch.Tensor        # float8_e4m3fn [E, 2I, K]: gate rows, then up rows
-    w1_scale: torch.Tensor  # float32 [E, 2I/128, K/128]
-    w2: torch.Tensor        # float8_e4m3fn [E, K, I]
-    w2_scale: torch.Tensor  # float32 [E, K/128, I/128]
 
 
 def random_fp8_moe_weights(num_experts: int, hidden_size: int, intermediate_size: int, *,

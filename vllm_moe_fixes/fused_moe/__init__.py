@@ -27,6 +27,7 @@ from vllm_moe_fixes.fused_moe.kernel_factory import (
 from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     Experts,
+    Fp8MoEWeights,
     PrepareAndFinalize,
     PrepareResult,
 )
@@ -38,8 +39,8 @@ from vllm_moe_fixes.fused_moe.workspaces import Workspaces
 
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
            "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize",
-           "DeepEPV2PrepareAndFinalize", "DeepGemmExperts",
-           "Experts", "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize",
+           "DeepEPV2PrepareAndFinalize", "DeepGemmExperts", "Experts", "Fp8MoEWeights",
+           "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize",
            "PrepareResult", "TritonExperts", "Workspaces", "fused_topk", "grouped_topk",
            "local_expert_map", "make_moe_kernel", "make_prepare_finalize", "moe_reference",
            "select_batched_experts", "select_experts", "select_experts_for", "select_experts_of"]

@@ -73,24 +73,25 @@ class BatchedExperts(Experts):
     def gemm(self, a, w, out: torch.Tensor, masked_m: torch.Tensor, expected_m: int) -> None:
         """Masked grouped GEMM (DeepGEMM's contract, ops.grouped_fp8_gemm_masked)."""
 
-    def workspace_shapes(self, M, I, K, topk, local_num_experts):
-        """M is T, the rows of each expert slice (vllm_moe_fixes.sizes)."""
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
+        """M is T, the rows of each expert slice (vllm_moe_fixes.sizes); one pass takes every
+        slice, so tokens_per_pass is not read."""
         return batched_workspace_shapes(M, I, K, local_num_experts)
 
-    def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
-              activation, workspace13, workspace2, expert_num_tokens, *, topk_weights=None,
-              expected_m=None) -> None:
+    def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
+              expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
+              tokens_per_pass=None, activation="silu") -> None:
         """a1q fp8 [E_l, T, K], a1q_scale f32 [E_l, T, K/128]; expert_num_tokens int32 [E_l];
         output bf16 [E_l, T, K] (valid rows written). expected_m: rows per expert the caller
-        expects on average (the masked GEMM's tiling hint), None = T. topk_ids, expert_map and
-        topk_weights are not needed: the combine after the experts weights and reduces."""
+        expects on average (the masked GEMM's tiling hint), None = T. topk_ids, expert_map,
+        topk_weights and tokens_per_pass are not needed: the combine after the experts weights
+        and reduces, and every slice is one pass."""
         if torch.compiler.is_compiling():  # one opaque op in the traced graph (experts_op)
-            apply_in_graph(self, output=output, a1q=a1q, a1q_scale=a1q_scale, w1=w1, w2=w2,
-                           w1_scale=w1_scale, w2_scale=w2_scale, topk_ids=topk_ids,
-                           expert_map=expert_map, activation=activation,
-                           workspace13=workspace13, workspace2=workspace2,
-                           expert_num_tokens=expert_num_tokens, topk_weights=topk_weights,
-                           expected_m=expected_m)
+            apply_in_graph(self, output=output, a1q=a1q, a1q_scale=a1q_scale, weights=weights,
+                           workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
+                           expert_map=expert_map, expert_num_tokens=expert_num_tokens,
+                           topk_weights=topk_weights, expected_m=expected_m,
+                           tokens_per_pass=tokens_per_pass, activation=activation)
             return
         if activation != "silu":  # (tests/test_ep_kernel.py calls apply directly)
             raise ValueError(f"activation must be 'silu', got {activation!r}")
@@ -100,10 +101,10 @@ class BatchedExperts(Experts):
         masked_m = expert_num_tokens.to(torch.int32).contiguous()
         expected_m = t if expected_m is None else expected_m
         h, g_q, g_s = workspace_views(workspace13, workspace2, local_num_experts, t,
-                                      w2.shape[2])
-        self.gemm((a1q, a1q_scale), (w1, w1_scale), h, masked_m, expected_m)
+                                      weights.w2.shape[2])
+        self.gemm((a1q, a1q_scale), (weights.w1, weights.w1_scale), h, masked_m, expected_m)
         _silu_and_mul_quant(h, g_q, g_s, masked_m)
-        self.gemm((g_q, g_s), (w2, w2_scale), output, masked_m, expected_m)
+        self.gemm((g_q, g_s), (weights.w2, weights.w2_scale), output, masked_m, expected_m)
 
 
 class BatchedTritonExperts(BatchedExperts):

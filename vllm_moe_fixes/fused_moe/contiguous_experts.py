@@ -17,8 +17,9 @@ Y's columns in ws2 and live through the whole call. The output is the layer's ou
 the start of ws13 (G' is dead once GEMM2 has run). M_sum counts the LOCAL experts
 (ops/permute.py). No allocation per call.
 
-Passes: apply takes what the rank received in passes of at most `tokens_per_pass()` tokens
-(VLLM_FUSED_MOE_CHUNK_SIZE, the most tokens one pass of the experts takes), so the workspaces are
+Passes: apply takes what the rank received in passes of at most `tokens_per_pass` tokens (the
+modular kernel passes VLLM_FUSED_MOE_CHUNK_SIZE, read once per layer call, to workspace_shapes and
+apply alike: the most tokens one pass of the experts takes), so the workspaces are
 sized by that bound and not by the received count, whatever the routing: with high-throughput EP
 and skewed ids one rank can receive every token of the group. Each pass runs the table above on
 its tokens (a token's k slots stay in one pass) with one pass's A, G', H and Y, after the [M, K]
@@ -41,7 +42,6 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_moe_fixes import envs
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_op import apply_in_graph
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
@@ -158,59 +158,52 @@ class ContiguousExperts(Experts):
              out: torch.Tensor, m_indices: torch.Tensor) -> None:
         """Contiguous grouped GEMM, DeepGEMM's contract (ops.grouped_fp8_gemm_contiguous)."""
 
-    @staticmethod
-    def tokens_per_pass() -> int:
-        """The most tokens one pass of apply takes: VLLM_FUSED_MOE_CHUNK_SIZE, read at each call
-        (workspace_shapes and apply read it alike)."""
-        return envs.VLLM_FUSED_MOE_CHUNK_SIZE
-
-    def workspace_shapes(self, M, I, K, topk, local_num_experts):
-        """sizes.contiguous_workspace_shapes for M received tokens in passes of tokens_per_pass():
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
+        """sizes.contiguous_workspace_shapes for M received tokens in passes of tokens_per_pass:
         one pass's workspaces (plus the [M, K] output in ws13 when there are several)."""
-        return contiguous_workspace_shapes(M, I, K, topk, local_num_experts,
-                                           self.tokens_per_pass())
+        return contiguous_workspace_shapes(M, I, K, topk, local_num_experts, tokens_per_pass)
 
-    def apply(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids, expert_map,
-              activation, workspace13, workspace2, expert_num_tokens, *, topk_weights=None,
-              expected_m=None) -> None:
+    def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
+              expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
+              tokens_per_pass=None, activation="silu") -> None:
         """output bf16 [M, K] (written: the weighted sum of each token's k expert rows; slots
         with no local expert add 0); topk_weights float32 [M, k] or None (plain sum).
 
-        M tokens are taken in passes of at most tokens_per_pass() (module docstring); the
-        workspaces are those workspace_shapes declares for M."""
+        M tokens are taken in passes of at most tokens_per_pass (module docstring; None: one
+        pass); the workspaces are those workspace_shapes declares for M and the same bound."""
         if torch.compiler.is_compiling():  # one opaque op in the traced graph (experts_op)
-            apply_in_graph(self, output=output, a1q=a1q, a1q_scale=a1q_scale, w1=w1, w2=w2,
-                           w1_scale=w1_scale, w2_scale=w2_scale, topk_ids=topk_ids,
-                           expert_map=expert_map, activation=activation,
-                           workspace13=workspace13, workspace2=workspace2,
-                           expert_num_tokens=expert_num_tokens, topk_weights=topk_weights,
-                           expected_m=expected_m)
+            apply_in_graph(self, output=output, a1q=a1q, a1q_scale=a1q_scale, weights=weights,
+                           workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
+                           expert_map=expert_map, expert_num_tokens=expert_num_tokens,
+                           topk_weights=topk_weights, expected_m=expected_m,
+                           tokens_per_pass=tokens_per_pass, activation=activation)
             return
         M = topk_ids.shape[0]
-        step = self.tokens_per_pass()
-        if M <= step:
-            self._apply_pass(output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids,
-                             expert_map, workspace13, workspace2, topk_weights, 0)
+        shared = dict(weights=weights, expert_map=expert_map, workspace13=workspace13,
+                      workspace2=workspace2)
+        if tokens_per_pass is None or M <= tokens_per_pass:
+            self._apply_pass(output, a1q, a1q_scale, topk_ids, topk_weights, offset13=0,
+                             **shared)
             return
-        offset13 = M * w2.shape[1]  # one pass's A and G' sit after the [M, K] output
-        for start in range(0, M, step):
-            rows = slice(start, min(start + step, M))
-            self._apply_pass(output[rows], a1q[rows], a1q_scale[rows], w1, w2, w1_scale, w2_scale,
-                             topk_ids[rows], expert_map, workspace13, workspace2,
-                             None if topk_weights is None else topk_weights[rows], offset13)
+        offset13 = M * weights.w2.shape[1]  # one pass's A and G' sit after the [M, K] output
+        for start in range(0, M, tokens_per_pass):
+            rows = slice(start, min(start + tokens_per_pass, M))
+            self._apply_pass(output[rows], a1q[rows], a1q_scale[rows], topk_ids[rows],
+                             None if topk_weights is None else topk_weights[rows],
+                             offset13=offset13, **shared)
 
-    def _apply_pass(self, output, a1q, a1q_scale, w1, w2, w1_scale, w2_scale, topk_ids,
-                    expert_map, workspace13, workspace2, topk_weights, offset13) -> None:
+    def _apply_pass(self, output, a1q, a1q_scale, topk_ids, topk_weights, *, weights,
+                    expert_map, workspace13, workspace2, offset13) -> None:
         """The module docstring's table for one pass's tokens (apply's arguments, sliced)."""
-        local_num_experts, K, I = w2.shape
+        local_num_experts, K, I = weights.w2.shape
         v = workspace_views(workspace13, workspace2, topk_ids.numel(), local_num_experts, K, I,
                             offset13)
         m_indices = v.layout.m_indices
         _build_layout(topk_ids, local_num_experts, expert_map, v.layout, v.counts)
         _permute(a1q, a1q_scale, v.layout, *v.a)
-        self.gemm(v.a, (w1, w1_scale), v.h, m_indices)
+        self.gemm(v.a, (weights.w1, weights.w1_scale), v.h, m_indices)
         _silu_and_mul_quant(v.h, *v.g)
-        self.gemm(v.g, (w2, w2_scale), v.y, m_indices)
+        self.gemm(v.g, (weights.w2, weights.w2_scale), v.y, m_indices)
         _unpermute_reduce(v.y, v.layout.dest, topk_weights, output)
 
 

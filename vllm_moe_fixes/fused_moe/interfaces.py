@@ -13,10 +13,21 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from vllm_moe_fixes.sizes import cdiv
+
+
+class Fp8MoEWeights(NamedTuple):
+    """A layer's block-FP8 expert weights with their scales, as they travel together to the
+    experts (E experts: all of them, or the E_l local ones; hidden size K, intermediate size I)."""
+
+    w1: torch.Tensor        # float8_e4m3fn [E, 2I, K]: gate rows, then up rows
+    w1_scale: torch.Tensor  # float32 [E, 2I/128, K/128]
+    w2: torch.Tensor        # float8_e4m3fn [E, K, I]
+    w2_scale: torch.Tensor  # float32 [E, K/128, I/128]
 
 
 class ActivationFormat(enum.Enum):
@@ -128,31 +139,36 @@ class Experts(ABC):
     reduces_output: bool = False
 
     @abstractmethod
-    def workspace_shapes(self, M: int, I: int, K: int, topk: int,
-                         local_num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...],
-                                                          tuple[int, ...]]:
+    def workspace_shapes(self, M: int, I: int, K: int, topk: int, local_num_experts: int, *,
+                         tokens_per_pass: int | None = None) -> tuple[tuple[int, ...],
+                                                                      tuple[int, ...],
+                                                                      tuple[int, ...]]:
         """Element shapes (ws13, ws2, out) of the bf16 workspaces and of the experts' output.
 
         M: rows of a1q (STANDARD) or T, rows per expert slice (BATCHED); I: intermediate size
-        (w1 [E_l, 2I, K], w2 [E_l, K, I]); K: hidden size; topk: k; local_num_experts: E_l.
+        (w1 [E_l, 2I, K], w2 [E_l, K, I]); K: hidden size; topk: k; local_num_experts: E_l;
+        tokens_per_pass: the most tokens one pass of apply may take (the kernel passes
+        VLLM_FUSED_MOE_CHUNK_SIZE, read once per layer call), None = no bound; apply gets the
+        same value.
         """
 
     @abstractmethod
     def apply(self, output: torch.Tensor, a1q: torch.Tensor, a1q_scale: torch.Tensor,
-              w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor, w2_scale: torch.Tensor,
-              topk_ids: torch.Tensor | None, expert_map: torch.Tensor | None, activation: str,
-              workspace13: torch.Tensor, workspace2: torch.Tensor,
-              expert_num_tokens: torch.Tensor | None, *, topk_weights: torch.Tensor | None = None,
-              expected_m: int | None = None) -> None:
+              weights: Fp8MoEWeights, *, workspace13: torch.Tensor, workspace2: torch.Tensor,
+              topk_ids: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
+              expert_num_tokens: torch.Tensor | None = None,
+              topk_weights: torch.Tensor | None = None, expected_m: int | None = None,
+              tokens_per_pass: int | None = None, activation: str = "silu") -> None:
         """Write output (out_shape, bf16): a view of the start of workspace13's storage, or the
         layer's output when the experts reduce and finalize passes it through.
 
-        a1q / a1q_scale: PrepareResult's; w1 fp8 [E_l, 2I, K], w1_scale f32 [E_l, 2I/128, K/128],
-        w2 fp8 [E_l, K, I], w2_scale f32 [E_l, K/128, I/128]; topk_ids int32/int64 [M', k] global
-        ids (STANDARD); expert_map int32 [E] or None; activation "silu"; workspace13 / workspace2
-        bf16 views of the declared shapes (contents undefined on entry); expert_num_tokens int32
-        [E_l] (BATCHED); topk_weights float32 [M', k] to weight the slots by when the experts
-        reduce (None: plain sum, the weights went on the input); expected_m: average rows per
-        local expert the dispatch can produce (BATCHED tiling hint), None = unknown.
+        a1q / a1q_scale: PrepareResult's; weights: the E_l local experts' (w1 fp8 [E_l, 2I, K],
+        w1_scale f32 [E_l, 2I/128, K/128], w2 fp8 [E_l, K, I], w2_scale f32 [E_l, K/128, I/128]);
+        workspace13 / workspace2 bf16 views of the declared shapes (contents undefined on
+        entry); topk_ids int32/int64 [M', k] global ids (STANDARD); expert_map int32 [E] or None;
+        expert_num_tokens int32 [E_l] (BATCHED); topk_weights float32 [M', k] to weight the slots
+        by when the experts reduce (None: plain sum, the weights went on the input); expected_m:
+        average rows per local expert the dispatch can produce (BATCHED tiling hint), None =
+        unknown; tokens_per_pass: workspace_shapes' (None = one pass); activation "silu".
         STANDARD: slots of non-local experts contribute exact zeros.
         """

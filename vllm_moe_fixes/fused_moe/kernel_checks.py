@@ -21,8 +21,8 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def check_layer_call(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
-                     expert_map, activation, apply_router_weight_on_input,
+def check_layer_call(x, w1, w2, topk_weights, topk_ids, *, w1_scale, w2_scale,
+                     global_num_experts, expert_map, activation, apply_router_weight_on_input,
                      max_tokens_across_ranks) -> None:
     """Every rule of the layer's arguments (FusedMoEModularKernel.__call__ documents them), in
     this order; ids and expert_map values only for CPU tensors or with VLLM_MOE_CHECK_IDS=1."""

@@ -28,12 +28,15 @@ from __future__ import annotations
 import inspect
 import math
 import os
+from typing import NamedTuple
+
 import torch
 
 from vllm_moe_fixes import envs
 from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     Experts,
+    Fp8MoEWeights,
     PrepareAndFinalize,
 )
 from vllm_moe_fixes.fused_moe.kernel_checks import check_finite, check_layer_call
@@ -45,6 +48,16 @@ def stream_is_capturing() -> bool:
     """Whether a CUDA graph capture is under way on the current stream (False on a torch built
     without CUDA, whose torch.cuda.is_current_stream_capturing cannot be called)."""
     return torch.backends.cuda.is_built() and torch.cuda.is_current_stream_capturing()
+
+
+class _LayerCall(NamedTuple):
+    """What every chunk of one validated layer call shares."""
+
+    weights: Fp8MoEWeights
+    global_num_experts: int
+    expert_map: torch.Tensor | None
+    on_input: bool  # apply_router_weight_on_input
+    tokens_per_pass: int  # VLLM_FUSED_MOE_CHUNK_SIZE, read once per call
 
 
 class FusedMoEModularKernel:
@@ -154,19 +167,24 @@ class FusedMoEModularKernel:
         capturing = stream_is_capturing()
         if capturing:
             self._check_capturable()
-        check_layer_call(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
-                         global_num_experts, expert_map, activation,
-                         apply_router_weight_on_input, max_tokens_across_ranks)
+        check_layer_call(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale,
+                         w2_scale=w2_scale, global_num_experts=global_num_experts,
+                         expert_map=expert_map, activation=activation,
+                         apply_router_weight_on_input=apply_router_weight_on_input,
+                         max_tokens_across_ranks=max_tokens_across_ranks)
         if envs.VLLM_MOE_CHECK_FINITE:
             check_finite(hidden_states=hidden_states, topk_weights=topk_weights,
                          w1_scale=w1_scale, w2_scale=w2_scale)
-        args = (hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
-                global_num_experts, expert_map, activation, apply_router_weight_on_input,
-                max_tokens_across_ranks, capturing)
+        call = _LayerCall(weights=Fp8MoEWeights(w1, w1_scale, w2, w2_scale),
+                          global_num_experts=global_num_experts, expert_map=expert_map,
+                          on_input=apply_router_weight_on_input,
+                          tokens_per_pass=envs.VLLM_FUSED_MOE_CHUNK_SIZE)
         if torch.is_grad_enabled():  # an inference layer: nothing for autograd to record
             with torch.no_grad():
-                return self._run(*args)
-        return self._run(*args)
+                return self._run(call, hidden_states, topk_weights, topk_ids,
+                                 max_tokens_across_ranks, capturing)
+        return self._run(call, hidden_states, topk_weights, topk_ids, max_tokens_across_ranks,
+                         capturing)
 
     def _check_capturable(self) -> None:
         """ValueError unless a pass can be captured in a CUDA graph (before anything runs)."""
@@ -177,13 +195,12 @@ class FusedMoEModularKernel:
                                  "capture, or run the layer eagerly")
         self.prepare_finalize.check_capturable()
 
-    def _run(self, hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
-             global_num_experts, expert_map, activation, apply_router_weight_on_input,
+    def _run(self, call: _LayerCall, hidden_states, topk_weights, topk_ids,
              max_tokens_across_ranks, capturing) -> torch.Tensor:
         """The validated call: its chunks, each prepare -> experts -> finalize."""
         M = hidden_states.shape[0]
         pf = self.prepare_finalize
-        chunk = envs.VLLM_FUSED_MOE_CHUNK_SIZE
+        chunk = call.tokens_per_pass
         capacity = pf.max_num_tokens_per_rank()
         if capacity is not None:
             chunk = min(chunk, capacity)
@@ -191,32 +208,29 @@ class FusedMoEModularKernel:
         step = max(chunk, cdiv(M, num_chunks)) if num_chunks else chunk
         output = torch.empty_like(hidden_states)
         if num_chunks == 1:  # one pass takes the whole tensors (no slice views to build)
-            self._run_chunk(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
-                            global_num_experts, expert_map, activation,
-                            apply_router_weight_on_input, output)
+            self._run_chunk(call, hidden_states, topk_weights, topk_ids, output)
             return output
         for i in range(num_chunks):
             rows = slice(min(i * step, M), min((i + 1) * step, M))
-            self._run_chunk(hidden_states[rows], w1, w2, topk_weights[rows], topk_ids[rows],
-                            w1_scale, w2_scale, global_num_experts, expert_map, activation,
-                            apply_router_weight_on_input, output[rows])
+            self._run_chunk(call, hidden_states[rows], topk_weights[rows], topk_ids[rows],
+                            output[rows])
         return output
 
-    def _run_chunk(self, x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
-                   global_num_experts, expert_map, activation, on_input, output) -> None:
+    def _run_chunk(self, call: _LayerCall, x, topk_weights, topk_ids, output) -> None:
         """prepare -> experts -> finalize for one chunk of tokens (validated arguments)."""
-        pf, experts = self.prepare_finalize, self.experts
-        local_num_experts, I, K = w1.shape[0], w2.shape[2], x.shape[1]
-        topk = topk_ids.shape[1]
-        prep = pf.prepare(x, topk_weights, topk_ids, global_num_experts, expert_map, on_input)
+        pf, experts, weights = self.prepare_finalize, self.experts, call.weights
+        local_num_experts, I, K = weights.w1.shape[0], weights.w2.shape[2], x.shape[1]
+        topk, on_input = topk_ids.shape[1], call.on_input
+        prep = pf.prepare(x, topk_weights, topk_ids, call.global_num_experts, call.expert_map,
+                          on_input)
         if prep.topk_ids is not None:
             topk_ids = prep.topk_ids
         if prep.topk_weights is not None:
             topk_weights = prep.topk_weights
         standard = experts.activation_format == ActivationFormat.STANDARD
         rows = prep.a1q.shape[0] if standard else prep.a1q.shape[1]
-        ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(rows, I, K, topk,
-                                                                  local_num_experts)
+        ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(
+            rows, I, K, topk, local_num_experts, tokens_per_pass=call.tokens_per_pass)
         ws13, ws2 = self.workspaces.get(ws13_shape, ws2_shape, x.device, x.dtype)
         reduced = experts.reduces_output
         if reduced and pf.passes_reduced_output_through:
@@ -228,11 +242,13 @@ class FusedMoEModularKernel:
             fused_out = ws13.view(-1)[:math.prod(out_shape)].view(out_shape)
         if rows > 0:  # rows == 0: out_shape has a zero dimension, fused_out is empty
             expected_m = None if standard else expected_rows_per_expert(
-                pf.max_num_tokens_per_rank(), pf.num_dispatchers(), topk, global_num_experts,
-                rows)
-            experts.apply(fused_out, prep.a1q, prep.a1q_scale, w1, w2, w1_scale, w2_scale,
-                          topk_ids, expert_map, activation, ws13, ws2, prep.expert_num_tokens,
-                          topk_weights=None if on_input else topk_weights, expected_m=expected_m)
+                pf.max_num_tokens_per_rank(), pf.num_dispatchers(), topk,
+                call.global_num_experts, rows)
+            experts.apply(fused_out, prep.a1q, prep.a1q_scale, weights, topk_ids=topk_ids,
+                          expert_map=call.expert_map, workspace13=ws13, workspace2=ws2,
+                          expert_num_tokens=prep.expert_num_tokens,
+                          topk_weights=None if on_input else topk_weights,
+                          expected_m=expected_m, tokens_per_pass=call.tokens_per_pass)
         if self._finalize_takes_reduced:
             pf.finalize(output, fused_out, topk_weights, topk_ids, on_input,
                         output_is_reduced=reduced)
