@@ -155,6 +155,28 @@ def test_gpu_benchmarks_refuse_a_cpu_clearly(module):
     assert f"{module} needs a CUDA GPU" in res.stderr, res.stderr
 
 
+# ------------------------------------------------------------------ the GPU selection on a CPU
+@pytest.mark.parametrize("markexpr, gpu_only", [
+    ("gpu or multi_gpu", True), ("(gpu or deep_gemm) and deep_ep", True), ("gpu", True),
+    ("not gpu", False), ("gpu or slow", False), ("", False)])
+def test_which_marker_expressions_select_gpu_tests_only(markexpr, gpu_only):
+    import conftest
+    assert conftest._selects_gpu_tests_only(markexpr) is gpu_only
+
+
+def test_gpu_selection_where_every_test_skips_fails():
+    """pytest alone exits 0 when every selected test skips: the README's GPU command 'passed' on
+    a CPU having run nothing. tests/conftest.py fails such a run (exit status 5). No GPU is
+    visible to the run, so its GPU tests skip on any machine."""
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                          "gpu or multi_gpu", "tests/test_moe_sum.py"], cwd=REPO,
+                         env=_clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert res.returncode == 5, res.stdout[-2000:]
+    assert "no test of -m 'gpu or multi_gpu' ran" in res.stdout, res.stdout[-2000:]
+    assert re.search(r"\d+ skipped", res.stdout), res.stdout[-2000:]
+
+
 # ------------------------------------------------------------------ device_run.sh
 _SKIPPED = "import pytest\n\n@pytest.mark.gpu\ndef test_gpu():\n    pytest.skip('no GPU')\n"
 _PASSED = "import pytest\n\n@pytest.mark.gpu\ndef test_gpu():\n    pass\n"
@@ -222,3 +244,11 @@ def test_readme_setup_says_venv_and_what_the_torch_pin_means():
     setup = _readme_setup()
     assert "virtual environment" in setup and "python3 -m venv" in setup
     assert "CUDA" in setup and "keep" in setup  # a GPU machine keeps its CUDA torch
+
+
+def test_readme_uninstalls_without_asking():
+    """`pip uninstall` asks once per package without -y: a copied command stops three times."""
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    uninstalls = re.findall(r"pip3? uninstall[^`\n]*", text)
+    assert uninstalls, "the README's vLLM step uninstalls torchvision, torchaudio, torchcodec"
+    assert all(re.search(r"\s(-y|--yes)\b", u) for u in uninstalls), uninstalls
