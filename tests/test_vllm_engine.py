@@ -1,7 +1,10 @@
 """vLLM's LLM engine serving tiny random block-FP8 MoE checkpoints (Mixtral and Qwen3-MoE) through
 the plugin: the greedy tokens equal vLLM's own unquantised run on the dequantised weights, and the
-prompt log-probs agree closely. One process runs the four engines (tests/vllm_support/
-engine_run.py), about 1.5-2 minutes on 2 cores. Skipped where vllm is not installed.
+prompt log-probs agree closely. Two modes, each one process (tests/vllm_support/engine_run.py):
+``eager`` (``enforce_eager=True``: all four engines eager) and ``compiled`` (vLLM's default: the
+two FP8 engines compiled, so that torch dynamo traces our layer in the start-up profile run and in
+every forward pass, against vLLM's unquantised run in eager mode). vLLM's compile cache is off, so
+that every run traces afresh. Skipped where vllm is not installed.
 
 The two runs differ only in the experts: FP8 activations (1x128 groups) in ours, bf16 in vLLM's
 unquantised path. On these checkpoints (seed 1) that rounding moves prompt log-probs by at most
@@ -26,16 +29,19 @@ SEED = 1
 MAX_LOGPROB_DIFF, MEAN_LOGPROB_DIFF = 0.4, 0.12
 
 
-def test_engine_with_plugin_matches_vllms_unquantised_run(tmp_path):
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_engine_with_plugin_matches_vllms_unquantised_run(tmp_path, mode):
     sys.path.insert(0, SUPPORT)
     try:
         from tiny_checkpoint import LAYERS, write_pair
     finally:
         sys.path.remove(SUPPORT)
     pairs = {family: write_pair(str(tmp_path), family, seed=SEED) for family in FAMILIES}
-    models = [d for fp8, bf16 in pairs.values() for d in (bf16, fp8)]
+    run_of = {fp8: fp8 if mode == "eager" else f"compiled:{fp8}" for fp8, _ in pairs.values()}
+    models = [d for fp8, bf16 in pairs.values() for d in (bf16, run_of[fp8])]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(VLLM_MOE_FIXES="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.update(VLLM_MOE_FIXES="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_DISABLE_COMPILE_CACHE="1")
     out = tmp_path / "results.json"
     run = subprocess.run([sys.executable, os.path.join(SUPPORT, "engine_run.py"), str(out),
                           *models], capture_output=True, text=True, env=env, timeout=900)
@@ -46,9 +52,12 @@ def test_engine_with_plugin_matches_vllms_unquantised_run(tmp_path):
               if "runs vllm_moe_fixes VllmNoEPPrepareAndFinalize + VllmTritonExperts" in line]
     assert len(served) == LAYERS * len(FAMILIES), log[-5000:]
     assert "Unknown vLLM environment variable detected: VLLM_MOE_FIXES" in log  # README says so
+    # vLLM's CPU worker warms a compiled model up with its profile run, traced by dynamo
+    warmed_up = log.count("Warming up done.")
+    assert warmed_up == (len(FAMILIES) if mode == "compiled" else 0), log[-5000:]
     results = json.loads(out.read_text())
     for family, (fp8, bf16) in pairs.items():
-        ours, vllm = results[fp8], results[bf16]
+        ours, vllm = results[run_of[fp8]], results[bf16]
         assert ours["tokens"] == vllm["tokens"], family
         diffs = [abs(a - b) for p, q in zip(ours["prompt_logprobs"], vllm["prompt_logprobs"])
                  for a, b in zip(p, q)]

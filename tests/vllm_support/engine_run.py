@@ -1,14 +1,16 @@
 """Run vLLM's offline ``LLM`` engine on each model directory given, one after the other in this
 process, and write what it produced as JSON:
 
-    python tests/vllm_support/engine_run.py OUT.json MODEL_DIR [MODEL_DIR ...]
+    python tests/vllm_support/engine_run.py OUT.json [compiled:]MODEL_DIR [[compiled:]MODEL_DIR ...]
 
-    {MODEL_DIR: {"tokens": [[int, ...] per prompt], "prompt_logprobs": [[float, ...] per prompt]}}
+    {argument: {"tokens": [[int, ...] per prompt], "prompt_logprobs": [[float, ...] per prompt]}}
 
 Greedy decoding (temperature 0) of PROMPTS (token ids: the tiny checkpoints have no tokenizer),
-eager mode, one small KV cache. The prompt log-probs are those of the prompt's own tokens (the
-first has none). VLLM_MOE_FIXES and the other variables come from the caller's environment; the
-plugin loads through its entry point in every vLLM process.
+one small KV cache. A plain MODEL_DIR runs in eager mode (``enforce_eager=True``, which also skips
+the start-up profile run); ``compiled:MODEL_DIR`` in vLLM's default compiled mode, whose profile
+(dummy) run and forward passes torch dynamo traces. The prompt log-probs are those of the
+prompt's own tokens (the first has none). VLLM_MOE_FIXES and the other variables come from the
+caller's environment; the plugin loads through its entry point in every vLLM process.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ PROMPTS = [[1, 17, 54, 9, 30, 41, 7], [1, 50, 3, 3, 28], [1, 44, 45, 46, 47, 48,
 MAX_TOKENS = 8
 
 
-def run(model: str) -> dict:
+def run(argument: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
 
+    model = argument.removeprefix("compiled:")
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64,
-              max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=True, seed=0,
+              max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=model == argument, seed=0,
               distributed_executor_backend="uni")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0,
                             detokenize=False, ignore_eos=True)
@@ -45,7 +48,7 @@ def run(model: str) -> dict:
 
 def main(argv: list[str]) -> int:
     out_path, models = argv[0], argv[1:]
-    results = {model: run(model) for model in models}
+    results = {argument: run(argument) for argument in models}
     with open(out_path, "w") as f:
         json.dump(results, f)
     return 0
