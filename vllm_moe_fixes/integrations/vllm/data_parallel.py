@@ -26,7 +26,7 @@ the same order. Each rank's token count may differ: the dispatch exchanges the c
 The contiguous experts take what a rank received in passes of at most VLLM_FUSED_MOE_CHUNK_SIZE
 tokens, so their workspaces stay one pass's (plus the [M', K] output) when routing sends one rank
 every token of the group, as vLLM's profile run with all-zero ids does. The prepare/finalize logs
-the workspace bytes of the experts each time a rank receives more tokens than ever before.
+the experts' workspace bytes each time a layer's rank receives more tokens than ever before.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from vllm.platforms import current_platform
 
+from vllm_moe_fixes import envs
 from vllm_moe_fixes.distributed import TorchAll2AllBuffer
 from vllm_moe_fixes.integrations.vllm.prepare_finalize import VllmDeepEPHTPrepareAndFinalize
 from vllm_moe_fixes.ops import SCALE_BLOCK
@@ -158,11 +159,11 @@ class VllmDataParallelPrepareAndFinalize(VllmDeepEPHTPrepareAndFinalize):
         # vLLM's CPU kernel allocates max(ws13, out) and ws2, bf16 (the activations' dtype)
         elements = max(math.prod(ws13), math.prod(out)) + math.prod(ws2)
         itemsize = 2
-        step = experts.experts.tokens_per_pass()
-        logger.info("vllm_moe_fixes: data parallel + EP rank %d received %d tokens (its most so "
-                    "far): experts' workspaces %d bytes, %d pass(es) of at most %d tokens "
-                    "(VLLM_FUSED_MOE_CHUNK_SIZE)", self.rank, received, elements * itemsize,
-                    -(-received // step), step)
+        step = envs.VLLM_FUSED_MOE_CHUNK_SIZE  # the experts' bound, read as they read it
+        logger.info("vllm_moe_fixes: data parallel + EP rank %d received %d tokens (this layer's "
+                    "most so far): experts' workspaces %d bytes, %d pass(es) of at most %d "
+                    "tokens (VLLM_FUSED_MOE_CHUNK_SIZE)", self.rank, received,
+                    elements * itemsize, -(-received // step), step)
 
 
 def make_data_parallel_prepare_finalize(moe_config) -> VllmDataParallelPrepareAndFinalize:

