@@ -281,3 +281,51 @@ def test_every_adapter_answers_each_capability_question(cls_name, monkeypatch):
     if cls._needs_deep_gemm and on_cpu:  # a platform that says CUDA, DeepGEMM not importable
         monkeypatch.setattr(adapters.current_platform, "is_cuda", lambda: True)
         assert cls._supports_current_device() is False
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_experts_compute_on_the_inputs_device_whatever_device_vllms_workspaces_are_on(batched):
+    """vLLM's kernel takes the experts' workspaces (and the output, a view of them) from its
+    WorkspaceManager, made for one device: off a CPU platform, CPU inputs get workspaces on
+    that device (a GPU machine: CUDA). The adapter computes on the inputs' device in workspaces
+    of its own and copies the output into vLLM's; 'meta' buffers stand in for the other device
+    here: the result equals the call with CPU buffers, written into a CPU output."""
+    E, k = 8, 2
+    if batched:
+        cfg = moe_config(E, k, local_experts=4, parallel=_low_latency_parallel_config(),
+                         max_num_tokens=16)
+        w = random_fp8_moe_weights(4, K, I, generator=torch.Generator().manual_seed(2))
+        ex = VllmBatchedTritonExperts(cfg, block_quant_config(w), max_num_tokens=16,
+                                      num_dispatchers=2)
+        g = torch.Generator().manual_seed(3)
+        a1q = torch.randn(4, 32, K, generator=g).to(torch.float8_e4m3fn)
+        a1s = torch.rand(4, 32, K // 128, generator=g) + 0.5
+        meta = mk.ExpertTokensMetadata(expert_num_tokens=torch.tensor([5, 0, 32, 1],
+                                                                      dtype=torch.int32),
+                                       expert_num_tokens_cpu=None)
+        tw, ti = torch.rand(16, k, generator=g), torch.randint(0, E, (16, k), generator=g)
+        M, shape_args = 32, (32, 2 * I, K, k, E, 4, meta, MoEActivation.SILU)
+    else:
+        w, x, tw, ti = problem(9, E, k, seed=4)
+        ex = VllmTritonExperts(moe_config(E, k), block_quant_config(w))
+        a1q, a1s, *_ = VllmNoEPPrepareAndFinalize().prepare(x, tw, ti, E, None, False,
+                                                            block_quant_config(w), False)
+        meta, M, shape_args = None, 9, (9, 2 * I, K, k, E, E, None, MoEActivation.SILU)
+    ws13_shape, ws2_shape, out_shape = ex.workspace_shapes(*shape_args)
+
+    def call(device, out):
+        ws = [torch.empty(s, dtype=torch.bfloat16, device=device) for s in (ws13_shape, ws2_shape)]
+        ex.apply(out, a1q, w.w1, w.w2, tw, ti, MoEActivation.SILU, E, None, a1s, None, *ws, meta,
+                 False)
+        return out
+
+    want = call("cpu", torch.full(out_shape, float("nan"), dtype=torch.bfloat16))
+    got = call("meta", torch.full(out_shape, float("nan"), dtype=torch.bfloat16))
+    if batched:  # the valid rows of each expert slice (the rest is undefined)
+        rows = [slice(0, int(n)) for n in meta.expert_num_tokens]
+        want = torch.cat([want[e, r] for e, r in enumerate(rows)])
+        got = torch.cat([got[e, r] for e, r in enumerate(rows)])
+    assert want.abs().sum() > 0
+    assert torch.equal(got, want)
+    elsewhere = call("meta", torch.empty(out_shape, dtype=torch.bfloat16, device="meta"))
+    assert elsewhere.device.type == "meta"  # written by a copy, no error

@@ -26,6 +26,9 @@ size, bias, LoRA, micro-batching...).
 
 from __future__ import annotations
 
+import logging
+
+import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
@@ -38,7 +41,6 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 )
 from vllm.platforms import current_platform
 
-from vllm_moe_fixes import envs
 from vllm_moe_fixes import fused_moe as ours
 from vllm_moe_fixes.fused_moe import kernel_checks
 from vllm_moe_fixes.integrations.vllm.support import (
@@ -49,6 +51,16 @@ from vllm_moe_fixes.integrations.vllm.support import (
     sizes_problem,
 )
 from vllm_moe_fixes.sizes import expected_rows_per_expert
+
+
+logger = logging.getLogger("vllm.plugins.vllm_moe_fixes")
+
+
+def _elsewhere(hidden_states, output, workspace13, workspace2) -> bool:
+    """Whether any of the buffers vLLM hands apply is on another device than its inputs."""
+    device = hidden_states.device
+    return not (output.device == device and workspace13.device == device
+                and workspace2.device == device)
 
 
 def _deep_gemm_usable() -> bool:
@@ -67,7 +79,6 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     _ours: type
     batched: bool = False
     _needs_deep_gemm: bool = False
-    _tokens_per_pass: int | None = None  # of this call: workspace_shapes reads it, apply uses it
 
     def __init__(self, moe_config, quant_config, max_num_tokens=None,
                  num_dispatchers=None) -> None:
@@ -80,6 +91,7 @@ class VllmExperts(mk.FusedMoEExpertsModular):
                              f"layers: {problem}")
         self.experts = self._ours()
         self._checked = (None, None)  # the (w1, w2) whose shapes were checked last
+        self._own_workspaces = None  # where vLLM's are on another device than the inputs
 
     # --- what vLLM's is_supported_config asks (it calls them on the class)
     @classmethod
@@ -121,11 +133,28 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     # --- the call
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
                          expert_tokens_meta, activation):
-        """vLLM's N is w1's rows, 2I; ours take I. vLLM's kernel calls this, then apply, once
-        per call: VLLM_FUSED_MOE_CHUNK_SIZE is read here, once, and kept for that apply."""
-        self._tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
-        return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts,
-                                             tokens_per_pass=self._tokens_per_pass)
+        """vLLM's N is w1's rows, 2I; ours take I."""
+        return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts)
+
+    def _apply_on_inputs_device(self, args: dict) -> None:
+        """``apply(**args)`` in workspaces and an output on the inputs' device, then the output
+        copied into vLLM's. vLLM's kernel takes workspaces from its WorkspaceManager on any
+        platform but the CPU, on the one device the manager was made for, whatever the inputs'
+        device; a layer computes where its inputs are (CPU inputs on a GPU machine: the
+        adapters' CPU tests run there too)."""
+        device = args["hidden_states"].device
+        if self._own_workspaces is None:
+            logger.info("vllm_moe_fixes: vLLM hands %s its workspaces on %s, the inputs are on "
+                        "%s: the experts compute in their own workspaces there",
+                        type(self).__name__, args["workspace13"].device, device)
+            self._own_workspaces = ours.Workspaces()
+        vllm_output = args["output"]
+        ws13, ws2 = self._own_workspaces.get(tuple(args["workspace13"].shape),
+                                             tuple(args["workspace2"].shape), device,
+                                             args["workspace13"].dtype)
+        output = torch.empty(vllm_output.shape, dtype=vllm_output.dtype, device=device)
+        self.apply(**{**args, "output": output, "workspace13": ws13, "workspace2": ws2})
+        vllm_output.copy_(output)
 
     def _check_weights(self, hidden_states, w1, w2) -> None:
         """The library's weight rules (w1 fp8 [E_l, 2I, K], w2 fp8 [E_l, K, I], contiguous, I and
@@ -157,13 +186,19 @@ class _ContiguousExperts(VllmExperts):
         whose expert is not local (expert_map -1, or id -1) add 0. hidden_states fp8 [M, K],
         a1q_scale f32 [M, K/128]; topk_ids int32/int64 [M, k] global ids; expert_map int32 [E]
         or None."""
+        if _elsewhere(hidden_states, output, workspace13, workspace2):
+            return self._apply_on_inputs_device(dict(
+                output=output, hidden_states=hidden_states, w1=w1, w2=w2,
+                topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
+                global_num_experts=global_num_experts, expert_map=expert_map,
+                a1q_scale=a1q_scale, a2_scale=a2_scale, workspace13=workspace13,
+                workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
+                apply_router_weight_on_input=apply_router_weight_on_input))
         self._check_weights(hidden_states, w1, w2)
-        self.experts.apply(output, hidden_states, a1q_scale,
-                           ours.Fp8MoEWeights(w1, self.w1_scale, w2, self.w2_scale),
-                           workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
-                           expert_map=expert_map,
-                           topk_weights=None if apply_router_weight_on_input else topk_weights,
-                           tokens_per_pass=self._tokens_per_pass)
+        self.experts.apply(output, hidden_states, a1q_scale, w1, w2, self.w1_scale,
+                           self.w2_scale, topk_ids, expert_map, "silu", workspace13, workspace2,
+                           None, topk_weights=None if apply_router_weight_on_input
+                           else topk_weights)
 
 
 class _BatchedExperts(VllmExperts):
@@ -183,17 +218,23 @@ class _BatchedExperts(VllmExperts):
               expert_tokens_meta, apply_router_weight_on_input) -> None:
         """output bf16 [E_l, T, K] (valid rows written) from hidden_states fp8 [E_l, T, K],
         a1q_scale f32 [E_l, T, K/128] and expert_tokens_meta.expert_num_tokens int32 [E_l]."""
+        if _elsewhere(hidden_states, output, workspace13, workspace2):
+            return self._apply_on_inputs_device(dict(
+                output=output, hidden_states=hidden_states, w1=w1, w2=w2,
+                topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
+                global_num_experts=global_num_experts, expert_map=expert_map,
+                a1q_scale=a1q_scale, a2_scale=a2_scale, workspace13=workspace13,
+                workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
+                apply_router_weight_on_input=apply_router_weight_on_input))
         self._check_weights(hidden_states, w1, w2)
         if expert_tokens_meta is None or expert_tokens_meta.expert_num_tokens is None:
             raise ValueError("batched experts need expert_tokens_meta.expert_num_tokens")
         t = hidden_states.shape[1]
         expected_m = expected_rows_per_expert(self.max_num_tokens, self.num_dispatchers,
                                               topk_ids.shape[1], global_num_experts, t)
-        self.experts.apply(output, hidden_states, a1q_scale,
-                           ours.Fp8MoEWeights(w1, self.w1_scale, w2, self.w2_scale),
-                           workspace13=workspace13, workspace2=workspace2,
-                           expert_num_tokens=expert_tokens_meta.expert_num_tokens,
-                           expected_m=expected_m, tokens_per_pass=self._tokens_per_pass)
+        self.experts.apply(output, hidden_states, a1q_scale, w1, w2, self.w1_scale,
+                           self.w2_scale, topk_ids, expert_map, "silu", workspace13, workspace2,
+                           expert_tokens_meta.expert_num_tokens, expected_m=expected_m)
 
 
 class VllmTritonExperts(_ContiguousExperts):
