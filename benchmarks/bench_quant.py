@@ -60,6 +60,8 @@ from vllm_moe_fixes.ops.fp8_quant import (
     QUANT_EPS,
     QUANT_GROUPS_PER_PROG,
     QUANT_NUM_WARPS,
+    QUANT_SMALL_M_BLOCK_M,
+    QUANT_SMALL_M_NUM_WARPS,
     _per_token_group_quant_fp8_kernel,
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_ref,
@@ -81,6 +83,8 @@ MS = (1, 256, 4096, 16384, 65536)
 VLLM_CUDA_US = {1: 5.2, 256: 8.3}
 DEFAULT = {"block_m": QUANT_BLOCK_M, "groups_per_prog": QUANT_GROUPS_PER_PROG,
            "num_warps": QUANT_NUM_WARPS}
+SMALL_M = {"block_m": QUANT_SMALL_M_BLOCK_M, "groups_per_prog": QUANT_GROUPS_PER_PROG,
+           "num_warps": QUANT_SMALL_M_NUM_WARPS}
 
 
 def _bytes(M):
@@ -110,7 +114,8 @@ def _launcher(x, q, s):
 
 
 def _jit_launch(x, q, s):
-    """The same kernel and config launched through Triton's JIT entry on every call."""
+    """The kernel launched through Triton's JIT entry on every call, with the large-M config at
+    every M: the launch path and config before the cached launcher and the small-M config."""
     M, num_groups = s.shape
     grid = (cdiv(M, QUANT_BLOCK_M), cdiv(num_groups, QUANT_GROUPS_PER_PROG))
     _per_token_group_quant_fp8_kernel[grid](
@@ -119,10 +124,10 @@ def _jit_launch(x, q, s):
         UE8M0=False, ROUND_IN_FP32=False, num_warps=QUANT_NUM_WARPS)
 
 
-def _quant(sweep_configs):
-    """The quant table (and sweep rows when sweep_configs)."""
+def _quant(sweep_configs, ms):
+    """The quant table for the M in `ms` (and sweep rows when sweep_configs)."""
     rows, sweep = [], []
-    for M in MS:
+    for M in ms:
         sets = _inputs(M)
         nbytes = _bytes(M)
         t_row = bench_us(_row_major, sets)
@@ -136,7 +141,7 @@ def _quant(sweep_configs):
             sets[:2], rep=50)
         t_copy = copy_us(nbytes)
         rows.append({
-            "M": M, "K": K, "config": str(DEFAULT),
+            "M": M, "K": K, "config": str(DEFAULT if M >= QUANT_BLOCK_M else SMALL_M),
             "us": t_row, "GB/s": gbps(nbytes, t_row),
             "graph_us": g_row, "graph_GB/s": gbps(nbytes, g_row),
             "tma_us": t_tma, "tma_graph_us": g_tma, "tma_graph_GB/s": gbps(nbytes, g_tma),
@@ -273,10 +278,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("quant", "fused"), help="run one of the two tables")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    parser.add_argument("--ms", default=",".join(map(str, MS)),
+                        help=f"comma-separated M of the quant table (default {MS})")
     args = parser.parse_args()
     require_cuda("bench_quant")
     if args.only != "fused":
-        _quant(args.sweep)
+        _quant(args.sweep, [int(m) for m in args.ms.split(",")])
     if args.only != "quant":
         _fused_table(args.sweep)
 
@@ -289,7 +296,7 @@ def _sweep(M, sets, nbytes):
     for cfg in configs:
         launch = functools.partial(per_token_group_quant_fp8_triton, group_size=SCALE_BLOCK,
                                    eps=QUANT_EPS, use_ue8m0=False, **cfg)
-        us = bench_us(launch, sets, rep=50)
+        us = graph_us(launch, sets)  # the kernel alone: small M is host-bound in do_bench
         out.append({"M": M, **cfg, "us": us, "GB/s": gbps(nbytes, us)})
     return out
 
@@ -297,7 +304,7 @@ def _sweep(M, sets, nbytes):
 def _report_sweep(sweep):
     print_best(sweep, "\nSweep (row-major scales), best 8 per M:")
     # A config that is good everywhere: smallest worst-case slowdown against each M's best.
-    fastest = {M: min(r["us"] for r in sweep if r["M"] == M) for M in MS}
+    fastest = {M: min(r["us"] for r in sweep if r["M"] == M) for M in {r["M"] for r in sweep}}
     keys = ("block_m", "groups_per_prog", "num_warps", "round_in_fp32")
     score = {}
     for r in sweep:

@@ -4,6 +4,7 @@
 #
 #     bash benchmarks/device_kernels.sh full      # + the grouped-GEMM config sweep
 #     bash benchmarks/device_kernels.sh confirm   # tests and both tables again, no sweep
+#     bash benchmarks/device_kernels.sh short     # small-M quant, the GEMM table once
 #
 # DeepEP / DeepGEMM come from device_run.sh's `libraries` (the carried .deps/*.so.gz, else a
 # build whose extensions land in $OUT): the `bench` stage with no benchmark named runs only that.
@@ -21,6 +22,15 @@ python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__version__)" || tail
 log="$OUT/kernels.log"
 mkdir -p "$OUT/json"
 run() { echo "### $*" | tee -a "$log"; timeout 240 "$@" 2>&1 | tee -a "$log" | tail -n 40; }
+if [[ "${1:-confirm}" == short ]]; then
+    run python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_quant.py -k "config or cached"
+    run python3 -m benchmarks.bench_quant --only quant --ms 1,256
+    cp benchmarks/results/bench_quant.json "$OUT/json/"
+    run python3 -m benchmarks.bench_grouped_gemm
+    cp benchmarks/results/grouped_gemm.json "$OUT/json/"
+    tar czf "$OUT/kernels_json.tgz" -C "$OUT" json && rm -rf "$OUT/json" "$OUT/results.tgz"
+    exit 0
+fi
 run python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_quant.py tests/test_grouped_gemm.py
 run python3 -m benchmarks.bench_quant --only quant
 cp benchmarks/results/bench_quant.json "$OUT/json/bench_quant_run1.json"

@@ -62,6 +62,10 @@ _UE8M0_FLOOR = tl.constexpr(UE8M0_SCALE_FLOOR)
 # bf16; benchmarks/results/bench_quant_sweep.json): block_m 8, 8 groups per program, 8 warps has
 # the smallest worst-case slowdown over M in {256, 4096, 16384, 65536} against each M's best.
 QUANT_BLOCK_M, QUANT_GROUPS_PER_PROG, QUANT_NUM_WARPS = 8, 8, 8
+# Below QUANT_BLOCK_M rows a tile of 8 rows would compute mostly masked rows (7 of 8 at M = 1, a
+# decode step), and the kernel is one short program per 8 groups: one row per program, 4 warps
+# (16-byte loads of 8 bf16 per thread).
+QUANT_SMALL_M_BLOCK_M, QUANT_SMALL_M_NUM_WARPS = 1, 4
 QUANT_EPS = 1e-10  # default floor on a group's max |x| (vLLM's)
 
 
@@ -115,15 +119,15 @@ def _per_token_group_quant_fp8_kernel(
 
 def per_token_group_quant_fp8_triton(
     x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, group_size: int, eps: float,
-    use_ue8m0: bool, *, block_m: int = QUANT_BLOCK_M, groups_per_prog: int | None = None,
-    num_warps: int = QUANT_NUM_WARPS, round_in_fp32: bool = INTERPRETING,
+    use_ue8m0: bool, *, block_m: int | None = None, groups_per_prog: int | None = None,
+    num_warps: int | None = None, round_in_fp32: bool = INTERPRETING,
 ) -> None:
     """Launch the quant kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
     x: [M, K] with stride(1) == 1; x_q: float8_e4m3fn [M, K], contiguous (written);
     x_s: float32 [M, K // group_size] with any strides (written). block_m and groups_per_prog
     (powers of two; groups_per_prog defaults to min(8, next power of two of K // group_size)) and
-    num_warps override the sweep's defaults above. round_in_fp32 rounds to the e4m3 grid in
+    num_warps override the defaults above (the small-M ones when M < QUANT_BLOCK_M). round_in_fp32 rounds to the e4m3 grid in
     float32 before the cast; default: only under the interpreter, whose float8 cast rounds wrongly.
     The GPU's cast is already exact RNE, so there it is optional and gives identical bits (tested);
     the sweep in benchmarks/bench_quant.py measures its cost.
@@ -132,6 +136,11 @@ def per_token_group_quant_fp8_triton(
     num_groups = K // group_size
     if M == 0 or num_groups == 0:
         return
+    small = M < QUANT_BLOCK_M
+    if block_m is None:
+        block_m = QUANT_SMALL_M_BLOCK_M if small else QUANT_BLOCK_M
+    if num_warps is None:
+        num_warps = QUANT_SMALL_M_NUM_WARPS if small else QUANT_NUM_WARPS
     if groups_per_prog is None:
         groups_per_prog = (QUANT_GROUPS_PER_PROG if num_groups >= QUANT_GROUPS_PER_PROG
                            else next_power_of_2(num_groups))
