@@ -10,15 +10,12 @@ import types
 import torch
 
 from vllm_moe_fixes._compat import deep_gemm as compat
-from vllm_moe_fixes.fused_moe import contiguous_experts as experts_mod
+from vllm_moe_fixes.fused_moe import experts_steps
 from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.routing import fused_topk
-from vllm_moe_fixes.ops.grouped_gemm import (
-    grouped_fp8_gemm_contiguous_ref,
-    grouped_fp8_gemm_contiguous_triton,
-)
+from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous_ref
 from vllm_moe_fixes.sizes import ROW_ALIGNMENT
 from vllm_moe_fixes.testing import calc_diff, moe_reference, random_fp8_moe_weights, rel_err
 
@@ -113,14 +110,6 @@ def fake_deep_gemm(monkeypatch, *, old_names=False, skip_minus_one_rows=False):
 
 
 def force_triton_launchers(monkeypatch):
-    """CPU tensors take the torch reference of each step of ContiguousExperts.apply: make every
-    step its Triton launcher instead (interpreted on CPU), so a test runs the GPU path's code."""
-    for ref, triton in ((experts_mod.build_contiguous_layout_into,
-                         experts_mod.build_contiguous_layout_triton),
-                        (experts_mod.permute_rows_ref, experts_mod.permute_rows_triton),
-                        (experts_mod.unpermute_reduce_ref, experts_mod.unpermute_reduce_triton),
-                        (experts_mod.grouped_fp8_gemm_contiguous_ref,
-                         grouped_fp8_gemm_contiguous_triton)):
-        monkeypatch.setattr(experts_mod, ref.__name__, triton)
-    monkeypatch.setattr(experts_mod, "silu_and_mul_quant_fp8", lambda h, out_q, out_s: (
-        experts_mod.silu_and_mul_quant_fp8_triton(h, out_q, out_s, None, False)))
+    """CPU tensors take the torch reference of each step of the experts: make every step its
+    Triton launcher instead (interpreted on CPU), so a test runs the GPU path's code."""
+    monkeypatch.setattr(experts_steps, "takes_triton", lambda reads: True)

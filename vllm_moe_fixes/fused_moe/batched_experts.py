@@ -23,15 +23,11 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_op import apply_in_graph
+from vllm_moe_fixes.fused_moe import experts_steps as steps
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts
 from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, mn_major_scales_view
-from vllm_moe_fixes.ops.grouped_gemm import (
-    grouped_fp8_gemm_masked_ref,
-    grouped_fp8_gemm_masked_triton,
-)
-from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_triton
 from vllm_moe_fixes.sizes import batched_workspace_shapes
 
 
@@ -50,14 +46,6 @@ def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, local_num_experts: in
                     I: int):
     """_make_views, cached on the workspaces (workspaces.views_cached_on)."""
     return views_cached_on(ws13, ws2, _make_views, local_num_experts, t, I)
-
-
-def _silu_and_mul_quant(h, g_q, g_s, masked_m) -> None:
-    """The fused SiLU-quant over the valid rows: its launcher on CUDA, the op on CPU."""
-    if h.is_cuda:
-        silu_and_mul_quant_fp8_triton(h, g_q, g_s, masked_m, False)
-    else:
-        silu_and_mul_quant_fp8(h, out_q=g_q, out_s=g_s, expert_num_tokens=masked_m)
 
 
 class BatchedExperts(Experts):
@@ -103,7 +91,7 @@ class BatchedExperts(Experts):
         h, g_q, g_s = workspace_views(workspace13, workspace2, local_num_experts, t,
                                       weights.w2.shape[2])
         self.gemm((a1q, a1q_scale), (weights.w1, weights.w1_scale), h, masked_m, expected_m)
-        _silu_and_mul_quant(h, g_q, g_s, masked_m)
+        steps.silu_and_mul_quant(h, g_q, g_s, masked_m)
         self.gemm((g_q, g_s), (weights.w2, weights.w2_scale), output, masked_m, expected_m)
 
 
@@ -112,8 +100,7 @@ class BatchedTritonExperts(BatchedExperts):
     reference on CPU)."""
 
     def gemm(self, a, w, out, masked_m, expected_m) -> None:
-        gemm = grouped_fp8_gemm_masked_triton if out.is_cuda else grouped_fp8_gemm_masked_ref
-        gemm(a, w, out, masked_m)
+        steps.masked_gemm(a, w, out, masked_m)
 
 
 class BatchedDeepGemmExperts(BatchedExperts):

@@ -44,25 +44,12 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe.experts_op import apply_in_graph
+from vllm_moe_fixes.fused_moe import experts_steps as steps
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts
 from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, mn_major_scales_view
-from vllm_moe_fixes.ops.grouped_gemm import (
-    grouped_fp8_gemm_contiguous_ref,
-    grouped_fp8_gemm_contiguous_triton,
-)
-from vllm_moe_fixes.ops.permute import (
-    ContiguousLayout,
-    build_contiguous_layout_into,
-    build_contiguous_layout_triton,
-    carve_layout,
-    permute_rows_ref,
-    permute_rows_triton,
-    unpermute_reduce_ref,
-    unpermute_reduce_triton,
-)
-from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_triton
+from vllm_moe_fixes.ops.permute import ContiguousLayout, carve_layout
 from vllm_moe_fixes.sizes import (
     LAYOUT_INDEX_COLUMNS,
     ROW_ALIGNMENT,
@@ -117,30 +104,6 @@ def workspace_views(ws13: torch.Tensor, ws2: torch.Tensor, num_slots: int,
     """_make_views, cached on the workspaces (workspaces.views_cached_on). offset13: where one
     pass's A and G' start in ws13 (bf16 elements): 0 for one pass, M*K for several."""
     return views_cached_on(ws13, ws2, _make_views, num_slots, local_num_experts, K, I, offset13)
-
-
-# The four steps around the GEMMs, on validated arguments: the Triton launcher for CUDA tensors
-# (without the public ops' checks: host time counts at small M), the torch reference for CPU ones.
-def _build_layout(topk_ids, local_num_experts, expert_map, layout, counts) -> None:
-    build = build_contiguous_layout_triton if topk_ids.is_cuda else build_contiguous_layout_into
-    build(topk_ids, local_num_experts, expert_map, layout, counts)
-
-
-def _permute(a1q, a1q_scale, layout, out_q, out_s) -> None:
-    permute = permute_rows_triton if a1q.is_cuda else permute_rows_ref
-    permute(a1q, a1q_scale, layout, out_q, out_s)
-
-
-def _silu_and_mul_quant(h, out_q, out_s) -> None:
-    if h.is_cuda:
-        silu_and_mul_quant_fp8_triton(h, out_q, out_s, None, False)
-    else:
-        silu_and_mul_quant_fp8(h, out_q=out_q, out_s=out_s)
-
-
-def _unpermute_reduce(y, dest, topk_weights, out) -> None:
-    reduce = unpermute_reduce_triton if y.is_cuda else unpermute_reduce_ref
-    reduce(y, dest, topk_weights, out)
 
 
 class ContiguousExperts(Experts):
@@ -199,22 +162,20 @@ class ContiguousExperts(Experts):
         v = workspace_views(workspace13, workspace2, topk_ids.numel(), local_num_experts, K, I,
                             offset13)
         m_indices = v.layout.m_indices
-        _build_layout(topk_ids, local_num_experts, expert_map, v.layout, v.counts)
-        _permute(a1q, a1q_scale, v.layout, *v.a)
+        steps.build_layout(topk_ids, local_num_experts, expert_map, v.layout, v.counts)
+        steps.permute(a1q, a1q_scale, v.layout, *v.a)
         self.gemm(v.a, (weights.w1, weights.w1_scale), v.h, m_indices)
-        _silu_and_mul_quant(v.h, *v.g)
+        steps.silu_and_mul_quant(v.h, *v.g)
         self.gemm(v.g, (weights.w2, weights.w2_scale), v.y, m_indices)
-        _unpermute_reduce(v.y, v.layout.dest, topk_weights, output)
+        steps.unpermute_reduce(v.y, v.layout.dest, topk_weights, output)
 
 
 class TritonExperts(ContiguousExperts):
     """Experts on the Triton grouped GEMM of `ops.grouped_fp8_gemm_contiguous` (its torch
-    reference on CPU)."""
+    reference on CPU: experts_steps.contiguous_gemm)."""
 
     def gemm(self, a, w, out, m_indices) -> None:
-        gemm = grouped_fp8_gemm_contiguous_triton if out.is_cuda else \
-            grouped_fp8_gemm_contiguous_ref
-        gemm(a, w, out, m_indices)
+        steps.contiguous_gemm(a, w, out, m_indices)
 
 
 class DeepGemmExperts(ContiguousExperts):
