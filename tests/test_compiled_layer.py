@@ -1,7 +1,7 @@
 """The layer under torch.compile on CPU: dynamo traces the modular kernel and the experts (as vLLM's
 default compiled mode traces our adapters), and the compiled call gives the eager call's bits.
 
-The experts' apply becomes one custom op in the graph (fused_moe/experts_op.py): the full-graph
+The experts' apply becomes one custom op in the graph (fused_moe/interfaces.py): the full-graph
 test shows that nothing in the experts breaks the graph, which vLLM's compile (fullgraph=True)
 needs."""
 

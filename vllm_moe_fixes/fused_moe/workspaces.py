@@ -61,7 +61,7 @@ def views_cached_on(ws13: torch.Tensor, ws2: torch.Tensor, make, *sizes):
     The buffers and these views are made outside torch.inference_mode even when the first call
     runs inside it: a tensor made there (a dtype view too) cannot be written outside it, so one
     call under inference mode would break every later call without it. (Under torch.compile the
-    experts run as one custom op, fused_moe/experts_op.py: this runs eagerly inside it.)"""
+    experts run as one custom op, fused_moe/interfaces.py: this runs eagerly inside it.)"""
     cache = ws2.__dict__.setdefault("_views_of", {})
     key = (make, ws13.data_ptr(), ws2.data_ptr(), *sizes)
     views = cache.get(key)
