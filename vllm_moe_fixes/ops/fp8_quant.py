@@ -127,8 +127,9 @@ def per_token_group_quant_fp8_triton(
     x: [M, K] with stride(1) == 1; x_q: float8_e4m3fn [M, K], contiguous (written);
     x_s: float32 [M, K // group_size] with any strides (written). block_m and groups_per_prog
     (powers of two; groups_per_prog defaults to min(8, next power of two of K // group_size)) and
-    num_warps override the defaults above (the small-M ones when M < QUANT_BLOCK_M). round_in_fp32 rounds to the e4m3 grid in
-    float32 before the cast; default: only under the interpreter, whose float8 cast rounds wrongly.
+    num_warps override the defaults above (the small-M ones when M < QUANT_BLOCK_M).
+    round_in_fp32 rounds to the e4m3 grid in float32 before the cast; default: only under the
+    interpreter, whose float8 cast rounds wrongly.
     The GPU's cast is already exact RNE, so there it is optional and gives identical bits (tested);
     the sweep in benchmarks/bench_quant.py measures its cost.
     """
