@@ -122,9 +122,6 @@ def test_weights_are_read_once_per_tensor_version(monkeypatch):
     assert len(reads) == 5
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29: check_weights_finite is not yet called by "
-                                       "FusedMoEModularKernel.__call__ (one line in "
-                                       "modular_kernel.py, left to the fused_moe restructure)")
 @pytest.mark.parametrize("name", ["w1", "w2"])
 def test_layer_refuses_nan_in_fp8_weights_when_checking(name, monkeypatch):
     monkeypatch.setenv("VLLM_MOE_CHECK_FINITE", "1")

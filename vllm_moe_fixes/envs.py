@@ -113,9 +113,10 @@ REGISTRY: dict[str, EnvVar] = {
                "always checked)",
                "0, 1, true, false"),
         EnvVar("VLLM_MOE_CHECK_FINITE", _parse_bool, False,
-               "refuse NaN / inf in hidden_states, topk_weights, w1_scale, w2_scale at the "
-               "layer's edge (one host sync per call on CUDA; unchecked they come out finite or "
-               "reach the output, see the layer's docstring)",
+               "refuse NaN / inf in hidden_states, topk_weights, w1, w2, w1_scale, w2_scale at "
+               "the layer's edge (one host sync per call on CUDA; the weights and scales read "
+               "once per tensor version; unchecked they come out finite or reach the output, see "
+               "the layer's docstring)",
                "0, 1, true, false"),
         EnvVar("VLLM_MOE_FIXES", _parse_bool, False,
                "vLLM plugin: vLLM's block-FP8 FusedMoE layers run this library's kernels "

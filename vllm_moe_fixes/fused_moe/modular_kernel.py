@@ -39,7 +39,11 @@ from vllm_moe_fixes.fused_moe.interfaces import (
     Fp8MoEWeights,
     PrepareAndFinalize,
 )
-from vllm_moe_fixes.fused_moe.kernel_checks import check_finite, check_layer_call
+from vllm_moe_fixes.fused_moe.kernel_checks import (
+    check_finite,
+    check_layer_call,
+    check_weights_finite,
+)
 from vllm_moe_fixes.fused_moe.workspaces import Workspaces
 from vllm_moe_fixes.sizes import cdiv, expected_rows_per_expert
 
@@ -143,8 +147,9 @@ class FusedMoEModularKernel:
         holding +-inf gets scale inf): a NaN in hidden_states or w1_scale comes out as finite
         values; +-inf there, and NaN or +-inf in w2_scale or topk_weights, reaches the output of
         the tokens that use that entry. With VLLM_MOE_CHECK_FINITE=1, non-finite
-        hidden_states, topk_weights, w1_scale or w2_scale raise ValueError naming the first such
-        entry (one host synchronisation per call on CUDA; the FP8 weights are not read).
+        hidden_states, topk_weights, w1, w2, w1_scale or w2_scale raise ValueError naming the
+        first such entry (one host synchronisation per call on CUDA; the weights and their
+        scales are read once per tensor and version, kernel_checks.check_weights_finite).
 
         No autograd: the layer runs under torch.no_grad (its output never requires grad), and
         calls inside and outside torch.inference_mode share the same workspaces.
@@ -173,8 +178,8 @@ class FusedMoEModularKernel:
                          apply_router_weight_on_input=apply_router_weight_on_input,
                          max_tokens_across_ranks=max_tokens_across_ranks)
         if envs.VLLM_MOE_CHECK_FINITE:
-            check_finite(hidden_states=hidden_states, topk_weights=topk_weights,
-                         w1_scale=w1_scale, w2_scale=w2_scale)
+            check_finite(hidden_states=hidden_states, topk_weights=topk_weights)
+            check_weights_finite(w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale)
         call = _LayerCall(weights=Fp8MoEWeights(w1, w1_scale, w2, w2_scale),
                           global_num_experts=global_num_experts, expert_map=expert_map,
                           on_input=apply_router_weight_on_input,
