@@ -56,13 +56,6 @@ from vllm_moe_fixes.sizes import expected_rows_per_expert
 logger = logging.getLogger("vllm.plugins.vllm_moe_fixes")
 
 
-def _elsewhere(hidden_states, output, workspace13, workspace2) -> bool:
-    """Whether any of the buffers vLLM hands apply is on another device than its inputs."""
-    device = hidden_states.device
-    return not (output.device == device and workspace13.device == device
-                and workspace2.device == device)
-
-
 def _deep_gemm_usable() -> bool:
     """Whether this library's DeepGEMM experts can be built here (DeepGEMM importable, SM90)."""
     try:
@@ -141,7 +134,9 @@ class VllmExperts(mk.FusedMoEExpertsModular):
         copied into vLLM's. vLLM's kernel takes workspaces from its WorkspaceManager on any
         platform but the CPU, on the one device the manager was made for, whatever the inputs'
         device; a layer computes where its inputs are (CPU inputs on a GPU machine: the
-        adapters' CPU tests run there too)."""
+        adapters' CPU tests run there too). vLLM takes workspace2 and the output (a view of
+        workspace13's memory, or the layer's output where it is on the same device) from the
+        same manager, so workspace13's device stands for all three."""
         device = args["hidden_states"].device
         if self._own_workspaces is None:
             logger.info("vllm_moe_fixes: vLLM hands %s its workspaces on %s, the inputs are on "
@@ -186,7 +181,7 @@ class _ContiguousExperts(VllmExperts):
         whose expert is not local (expert_map -1, or id -1) add 0. hidden_states fp8 [M, K],
         a1q_scale f32 [M, K/128]; topk_ids int32/int64 [M, k] global ids; expert_map int32 [E]
         or None."""
-        if _elsewhere(hidden_states, output, workspace13, workspace2):
+        if workspace13.device != hidden_states.device:  # see _apply_on_inputs_device
             return self._apply_on_inputs_device(dict(
                 output=output, hidden_states=hidden_states, w1=w1, w2=w2,
                 topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
@@ -218,7 +213,7 @@ class _BatchedExperts(VllmExperts):
               expert_tokens_meta, apply_router_weight_on_input) -> None:
         """output bf16 [E_l, T, K] (valid rows written) from hidden_states fp8 [E_l, T, K],
         a1q_scale f32 [E_l, T, K/128] and expert_tokens_meta.expert_num_tokens int32 [E_l]."""
-        if _elsewhere(hidden_states, output, workspace13, workspace2):
+        if workspace13.device != hidden_states.device:  # see _apply_on_inputs_device
             return self._apply_on_inputs_device(dict(
                 output=output, hidden_states=hidden_states, w1=w1, w2=w2,
                 topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
