@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm_moe_fixes.ops import fp8_quant as fq
+from vllm_moe_fixes.ops import triton_utils
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX
 from vllm_moe_fixes.ops.fp8_quant import (
     per_token_group_quant_fp8,
@@ -480,7 +481,7 @@ def test_launch_compiled_reuses_the_kernel_of_its_key(monkeypatch):
     assert compiled.launches == [(4, 3, 1, 1000, "fn", "meta", None, None, None, "y", 6)]
     fq._launch_compiled(kernel, cache, (1, "a"), (4, 3, 1), ("y", 6), 8)
     assert len(kernel.jit_launches) == 2 and (1, "a") in cache
-    monkeypatch.setattr(fq, "_hooked", lambda: True)
+    monkeypatch.setattr(triton_utils, "_hooked", lambda: True)
     fq._launch_compiled(kernel, cache, (0, "a"), (4, 3, 1), ("y", 6), 8)
     assert len(kernel.jit_launches) == 3 and len(compiled.launches) == 1
 

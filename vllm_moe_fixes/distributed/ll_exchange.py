@@ -31,6 +31,7 @@ import triton.language as tl
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.triton_utils import (
     INTERPRETING,
+    launch,
     next_power_of_2,
     round_to_bf16_grid,
     round_to_e4m3_grid,
@@ -108,11 +109,10 @@ def pack_fp8_triton(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Ten
     groups_per_prog = min(8, next_power_of_2(num_groups))
     topk = topk_idx.shape[1]
     grid = (n, cdiv(num_groups, groups_per_prog))
-    _pack_fp8_kernel[grid](x, topk_idx, slab_ids, slab_scales, slab_q, x.shape[0], num_groups,
-                           x.stride(0), topk_idx.stride(0), slab_ids.stride(0),
-                           slab_scales.stride(0), slab_q.stride(0), TOPK=topk,
-                           TOPK_POW2=next_power_of_2(topk), GROUPS_PER_PROG=groups_per_prog,
-                           ROUND_SCALE=round_scale, ROUND_IN_FP32=INTERPRETING, num_warps=4)
+    launch(_pack_fp8_kernel, grid, (
+        x, topk_idx, slab_ids, slab_scales, slab_q, x.shape[0], num_groups, x.stride(0),
+        topk_idx.stride(0), slab_ids.stride(0), slab_scales.stride(0), slab_q.stride(0), topk,
+        next_power_of_2(topk), groups_per_prog, round_scale, INTERPRETING), num_warps=4)
 
 
 def pack_fp8_ref(x: torch.Tensor, topk_idx: torch.Tensor, slab_ids: torch.Tensor,
@@ -237,9 +237,10 @@ def route_triton(ids: torch.Tensor, rank: int, local_num_experts: int, served: t
     rows, topk = ids.shape
     block_e = next_power_of_2(local_num_experts)
     block_p = max(16, 4096 // block_e)
-    _route_kernel[(1,)](ids, served.view(torch.uint8), local, pos, recv_row, recv_count,
-                        rows * topk, ids.stride(0), rank * local_num_experts, local_num_experts,
-                        rows, TOPK=topk, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+    launch(_route_kernel, (1,), (
+        ids, served.view(torch.uint8), local, pos, recv_row, recv_count, rows * topk,
+        ids.stride(0), rank * local_num_experts, local_num_experts, rows, topk, block_p, block_e),
+        num_warps=4)
 
 
 def route_ref(ids: torch.Tensor, rank: int, local_num_experts: int, served: torch.Tensor,
@@ -336,10 +337,10 @@ def scatter_rows_triton(src: torch.Tensor, dst: torch.Tensor, served: torch.Tens
     block_p = max(1, min(64, 2048 // block_w))
     tiles = cdiv(width, block_w)
     grid = (cdiv(pairs * topk, block_p), tiles + cdiv(width2, block_w))
-    _scatter_rows_kernel[grid](src, dst, src2, dst2, served.view(torch.uint8), local, pos,
-                               pairs * topk, width, width2, tiles, *src.stride(), *dst.stride(),
-                               *src2.stride(), *dst2.stride(), TOPK=topk, BLOCK_P=block_p,
-                               BLOCK_W=block_w, num_warps=4)
+    launch(_scatter_rows_kernel, grid, (
+        src, dst, src2, dst2, served.view(torch.uint8), local, pos, pairs * topk, width, width2,
+        tiles, *src.stride(), *dst.stride(), *src2.stride(), *dst2.stride(), topk, block_p,
+        block_w), num_warps=4)
 
 
 def scatter_rows_ref(src: torch.Tensor, dst: torch.Tensor, served: torch.Tensor,
@@ -396,11 +397,10 @@ def partial_sums_triton(x_rows: torch.Tensor, recv_row: torch.Tensor, served: to
     if rows == 0 or hidden == 0:
         return
     block_h = min(next_power_of_2(hidden), 2048)
-    _partial_sums_kernel[(rows, cdiv(hidden, block_h))](
+    launch(_partial_sums_kernel, (rows, cdiv(hidden, block_h)), (
         x_rows, recv_row, served.view(torch.uint8), weights, out, hidden, x_rows.stride(0),
-        out.stride(0), TOPK=topk, BLOCK_H=block_h,
-        ROUND_BF16=INTERPRETING and out.dtype == torch.bfloat16, num_warps=4,
-        enable_fp_fusion=False)
+        out.stride(0), topk, block_h, INTERPRETING and out.dtype == torch.bfloat16),
+        num_warps=4, enable_fp_fusion=False)
 
 
 def partial_sums_ref(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Tensor,

@@ -38,7 +38,6 @@ key and reads its option knobs on every call, which was most of the ~50 us a sma
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 from vllm_moe_fixes.ops.fp8 import (
     FP8_DTYPE,
@@ -47,7 +46,13 @@ from vllm_moe_fixes.ops.fp8 import (
     empty_mn_major_scales,
     tma_aligned_rows,
 )
-from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_e4m3_grid
+from vllm_moe_fixes.ops.triton_utils import (
+    INTERPRETING,
+    _int_class,
+    _launch_compiled,
+    next_power_of_2,
+    round_to_e4m3_grid,
+)
 from vllm_moe_fixes.sizes import cdiv
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
@@ -162,42 +167,8 @@ def per_token_group_quant_fp8_triton(
                      num_warps)
 
 
-# ---------------------------------------------------------------- launch without Triton's binder
-# `kernel[grid](*args)` re-derives the specialisation of every argument, hashes a cache key,
-# reads Triton's option knobs and builds launch metadata on each call: tens of microseconds of
-# host time, the whole cost of a small-M quant. The first launch of a specialisation goes through
-# it and returns the CompiledKernel; later launches with the same specialisation call that
-# kernel's launcher directly, as Triton itself does after its cache lookup (triton 3.6 and 3.9).
-# The caller builds the key from what Triton's specialisation reads of the arguments: tensor
-# dtypes and 16-byte alignment, `_int_class` of each integer, the constexprs, num_warps and the
-# device. Option knobs read from the environment (TRITON_DEBUG, ...) are those of the first launch
-# of each key. While a launch hook is installed (a profiler), every launch goes through Triton so
-# that the hook sees it.
+# Launches after the first of each key skip Triton's binder (triton_utils._launch_compiled).
 _COMPILED_QUANT: dict[tuple, object] = {}
-
-
-def _int_class(v: int) -> int:
-    """What Triton's specialisation reads of a non-negative integer argument: equal to 1 (then a
-    compile-time constant), a multiple of 16 (a divisibility hint), or needing 64 bits."""
-    return (v == 1) + 2 * (v % 16 == 0) + 4 * (v >= 2**31)
-
-
-def _hooked() -> bool:
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(getattr(h, "calls", h) for h in hooks)
-
-
-def _launch_compiled(kernel, cache: dict, key: tuple, grid: tuple, args: tuple,
-                     num_warps: int) -> None:
-    """Launch `kernel` on `grid` (3 ints) with `args` (every parameter, in signature order) on
-    the current CUDA stream: through Triton the first time `key` is seen, then through the
-    CompiledKernel that launch returned. key[0] is the current device's index."""
-    compiled = cache.get(key)
-    if compiled is None or _hooked():
-        cache[key] = kernel[grid](*args, num_warps=num_warps)
-        return
-    compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(key[0]),
-                 compiled.function, compiled.packed_metadata, None, None, None, *args)
 
 
 # ---------------------------------------------------------------- references

@@ -1,11 +1,14 @@
 """Helpers every Triton kernel of the package shares: the interpreter flag, a cheap host-side
-power of two, and the device roundings the interpreter gets wrong. Nothing here quantises.
+power of two, the device roundings the interpreter gets wrong, and a launch that skips Triton's
+per-call argument binding (`launch`). Nothing here quantises.
 """
 
 import os
 
+import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 # Triton chooses between compiling and interpreting when a kernel is decorated (at import), so the
 # launchers read the same decision once, here, instead of the environment on every call.
@@ -50,3 +53,71 @@ def round_to_e4m3_grid(v):
     a = mag.to(tl.float32, bitcast=True)
     tiny = ((a + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
     return (tl.where(a < 0.015625, tiny, normal) | sign).to(tl.float32, bitcast=True)
+
+
+# ---------------------------------------------------------------- launch without Triton's binder
+# `kernel[grid](*args)` re-derives the specialisation of every argument, hashes a cache key,
+# reads Triton's option knobs and builds launch metadata on each call: tens of microseconds of
+# host time, the whole cost of a small-M launch. The first launch of a specialisation goes through
+# it and returns the CompiledKernel; later launches with the same specialisation call that
+# kernel's launcher directly, as Triton itself does after its cache lookup (triton 3.6 and 3.9).
+# The key holds what Triton's specialisation reads of the arguments: tensor dtypes and 16-byte
+# alignment, `_int_class` of each integer, the constexprs, num_warps, the options and the device.
+# Option knobs read from the environment (TRITON_DEBUG, ...) are those of the first launch of each
+# key. While a launch hook is installed (a profiler), every launch goes through Triton so that the
+# hook sees it.
+
+def _int_class(v: int) -> int:
+    """What Triton's specialisation reads of an integer argument: equal to 1 (then a compile-time
+    constant), a multiple of 16 (a divisibility hint), or its type (int32, int64, uint64)."""
+    return (v == 1) + 2 * (v % 16 == 0) + 4 * (v >= 2**31) + 8 * (v < -2**31) + 16 * (v >= 2**63)
+
+
+def _hooked() -> bool:
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)
+
+
+def _launch_compiled(kernel, cache: dict, key: tuple, grid: tuple, args: tuple,
+                     num_warps: int, **options) -> None:
+    """Launch `kernel` on `grid` (3 ints) with `args` (every parameter, in signature order,
+    constexprs included) on the current CUDA stream: through Triton the first time `key` is
+    seen, then through the CompiledKernel that launch returned. key[0] is the current device's
+    index. options (enable_fp_fusion=False, ...) go to Triton's first launch; the key must hold
+    them."""
+    compiled = cache.get(key)
+    if compiled is None or _hooked():
+        cache[key] = kernel[grid](*args, num_warps=num_warps, **options)
+        return
+    compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(key[0]),
+                 compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+
+def _arg_class(a):
+    """One argument's share of a launch key (what Triton specialises on, see above)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if type(a) is int:  # noqa: E721 (a bool is a constexpr or an i1, keyed by its value)
+        return _int_class(a)
+    if type(a) is float:  # noqa: E721 (every float is an fp32 argument)
+        return float
+    return type(a), a  # constexprs (bool, None, ...): by value
+
+
+# launch key -> CompiledKernel; a key starts with the device index and the kernel's id (kernels
+# are module-level objects that live as long as the process)
+_COMPILED: dict = {}
+
+
+def launch(kernel, grid: tuple, args: tuple, num_warps: int, **options) -> None:
+    """kernel[grid](*args, num_warps=num_warps, **options) with the host cost of a cached
+    launch (`_launch_compiled`) on CUDA; through Triton under the interpreter. args: every
+    parameter of the kernel in signature order, constexprs included, as positional values
+    (tensors, ints, floats, bools, None); grid: 1 to 3 ints."""
+    grid = (*grid, 1, 1)[:3]
+    if INTERPRETING:
+        kernel[grid](*args, num_warps=num_warps, **options)
+        return
+    key = (torch.cuda.current_device(), id(kernel), num_warps, *options.items(),
+           *map(_arg_class, args))
+    _launch_compiled(kernel, _COMPILED, key, grid, args, num_warps, **options)
