@@ -44,17 +44,13 @@ from vllm_moe_fixes.fused_moe import (
     TritonExperts,
 )
 
-CASE_TIMEOUT_S = 15   # a case that has not answered by then hangs: killed and failed
+CASE_TIMEOUT_S = 10   # a case that has not answered by then hangs: killed and failed
 ANSWER_WITHIN_S = 5   # each rank's error must come within this of its call's start
 CHUNK = 4             # tokens per pass
 E, K_TOP = 8, 2       # experts, top-k
 H_STANDARD, H_LL = 256, 2048  # hidden sizes: high-throughput and V2; low-latency
 REFUSING_RANK = 1
 
-UNTIL_FIXED = ("issue 29: every check is rank-local, so a refusal or disagreement on one rank "
-               "leaves its peers in a collective (a hang until the timeout); the core fix folds "
-               "each rank's verdict into the agreement")
-xfail_until_fixed = pytest.mark.xfail(strict=True, reason=UNTIL_FIXED)
 WORLDS = pytest.mark.parametrize("world", [2, 4])
 
 
@@ -187,7 +183,6 @@ def _different_max_tokens_v2(rank, world):
     return _different_max_tokens(rank, world, _v2_kernel)
 
 
-@xfail_until_fixed
 @WORLDS
 @pytest.mark.parametrize("worker", [_different_max_tokens_ht, _different_max_tokens_v2],
                          ids=["high_throughput", "v2"])
@@ -219,7 +214,6 @@ def _chunk_size_changed_on_one_rank(rank, world):
     return results
 
 
-@xfail_until_fixed
 @WORLDS
 def test_chunk_size_changed_on_one_rank_is_an_error_on_every_rank(world):
     first, second = zip(*run_bounded(_chunk_size_changed_on_one_rank, world))
@@ -263,7 +257,6 @@ def _bad_id_refused_ll(rank, world):
                                    _out_of_range_id)
 
 
-@xfail_until_fixed
 @WORLDS
 @pytest.mark.parametrize("worker, reason", [(_nan_refused_ht, "finite"),
                                             (_bad_id_refused_ll, "topk_ids")],
@@ -289,7 +282,6 @@ def _max_tokens_beyond_any_bound(rank, world):
                                   x, *full, idx, w))]
 
 
-@xfail_until_fixed
 @WORLDS
 def test_max_tokens_no_pass_count_could_serve_is_refused_on_every_rank(world):
     refused, following = zip(*run_bounded(_max_tokens_beyond_any_bound, world))

@@ -57,7 +57,7 @@ from vllm_moe_fixes._validate import check, check_positive_int
 from vllm_moe_fixes.distributed import buffer_checks as checks
 from vllm_moe_fixes.distributed import deepep_sizing as sizing
 from vllm_moe_fixes.distributed import ll_exchange as ll
-from vllm_moe_fixes.distributed.collectives import run_collective
+from vllm_moe_fixes.distributed.collectives import NO_STAMP, check_same_pass, run_collective
 from vllm_moe_fixes.sizes import align_up
 
 # torch 2.13 names it all_gather_single; older releases all_gather_into_tensor (same arguments).
@@ -130,6 +130,10 @@ class TorchAll2AllBuffer:
         self.ll_sizes = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._ll_sizes_ok: set[tuple[int, int, int]] = set()  # (N, H, E) that passed the checks
         self._ll_workspaces: dict[tuple, list[ll.LLWorkspace]] = {}  # see _ll_workspace
+        # Set by the prepare/finalize before each dispatch, compared across the ranks in the
+        # dispatch's count exchange (high-throughput) or N check (low-latency, where values are
+        # checked): ranks at different passes of a layer call raise together (PassStamp).
+        self.pass_stamp = NO_STAMP
 
     # ----------------------------------------------------------------- static helpers (DeepEP's)
     @staticmethod
@@ -344,14 +348,22 @@ class TorchAll2AllBuffer:
 
         Returns (rows sent to each rank, rows received from each rank, aligned selections received
         per local expert), lists of ints."""
-        r = self.group_size
+        r, stamp = self.group_size, self.pass_stamp
+        self.pass_stamp = NO_STAMP  # one dispatch's
+        width = len(stamp)  # the stamp rides in the last columns, the same to every rank
         counts = torch.cat([num_tokens_per_rank.view(r, 1).long(),
-                            num_tokens_per_expert.view(r, -1).long()], 1)
+                            num_tokens_per_expert.view(r, -1).long(),
+                            torch.tensor(stamp, dtype=torch.int64).to(
+                                num_tokens_per_rank.device).expand(r, width)], 1)
         got = torch.empty_like(counts)
         # row s: what rank s sends here
         run_collective(dist.all_to_all_single, got, counts, group=self.group)
-        host = torch.cat([counts[:, 0], got[:, 0], got[:, 1:].sum(0)]).tolist()
-        return host[:r], host[r:2 * r], [align_up(c, expert_alignment) for c in host[2 * r:]]
+        host = torch.cat([counts[:, 0], got[:, 0], got[:, 1:-width].sum(0),
+                          got[:, -width:].reshape(-1)]).tolist()
+        n_local = len(host) - 2 * r - r * width
+        check_same_pass([host[-r * width:][s * width:(s + 1) * width] for s in range(r)])
+        return (host[:r], host[r:2 * r],
+                [align_up(c, expert_alignment) for c in host[2 * r:2 * r + n_local]])
 
     def _send_order(self, is_token_in_rank: torch.Tensor, send_splits: list[int]) -> torch.Tensor:
         """Token index of each row to send: grouped by destination rank, token order within one.
@@ -521,16 +533,20 @@ class TorchAll2AllBuffer:
             self._ll_sizes_ok.add((n, x.shape[1], num_experts))
         checks.check_recv_stats(recv_stats, local_num_experts)
         checks.check_wait_stats("dispatch_wait_recv_cost_stats", wait_stats, self.group_size)
+        stamp, self.pass_stamp = self.pass_stamp, NO_STAMP  # one dispatch's
         if check_values:
-            self._check_same_n(n, x.device)
+            self._check_same_n(n, stamp, x.device)
         return local_num_experts
 
-    def _check_same_n(self, n: int, device: torch.device) -> None:
-        """Every rank must pass the same N (the message size): gathered and compared."""
-        mine = torch.full((1,), n, dtype=torch.int64, device=device)  # no host-to-device copy
-        got = self._all_gather(mine).view(-1).tolist()
-        if len(set(got)) > 1:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: {got}")
+    def _check_same_n(self, n: int, stamp: tuple, device: torch.device) -> None:
+        """Every rank must pass the same N (the message size) and be at the same pass of a layer
+        call (stamp: this dispatch's PassStamp): gathered and compared."""
+        mine = torch.tensor((n, *stamp), dtype=torch.int64).to(device)
+        got = self._all_gather(mine).tolist()
+        if len({row[0] for row in got}) > 1:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: "
+                             f"{[row[0] for row in got]}")
+        check_same_pass([row[1:] for row in got])
 
     def _check_ll_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats, async_finish,
                           return_recv_hook) -> None:

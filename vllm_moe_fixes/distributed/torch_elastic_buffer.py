@@ -119,6 +119,16 @@ class TorchElasticBuffer:
         self._exchange = TorchAll2AllBuffer(group)
         self._alive = True
 
+    @property
+    def pass_stamp(self):
+        """The next dispatch's PassStamp, compared across the ranks in its count exchange
+        (TorchAll2AllBuffer's, which this buffer's dispatch runs)."""
+        return self._exchange.pass_stamp
+
+    @pass_stamp.setter
+    def pass_stamp(self, stamp) -> None:
+        self._exchange.pass_stamp = stamp
+
     # ----------------------------------------------------------------- V2's static helpers
     @staticmethod
     def get_buffer_size_hint(group: dist.ProcessGroup | None, num_max_tokens_per_rank: int,

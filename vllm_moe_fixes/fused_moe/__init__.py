@@ -1,6 +1,7 @@
 """The modular MoE layer: prepare/finalize (NoEP, DeepEP high-throughput, low-latency, V2) x
 experts."""
 
+from vllm_moe_fixes.distributed.collectives import CollectiveRefusal
 from vllm_moe_fixes.fused_moe.batched_experts import (
     BatchedDeepGemmExperts,
     BatchedTritonExperts,
@@ -38,7 +39,7 @@ from vllm_moe_fixes.fused_moe.routing import fused_topk
 from vllm_moe_fixes.fused_moe.workspaces import Workspaces
 
 __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
-           "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize",
+           "CollectiveRefusal", "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize",
            "DeepEPV2PrepareAndFinalize", "DeepGemmExperts", "Experts", "Fp8MoEWeights",
            "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize",
            "PrepareResult", "TritonExperts", "Workspaces", "fused_topk", "grouped_topk",

@@ -18,7 +18,10 @@ applies the weights, reduces and writes the caller's output.
 
 Chunks: every dispatch and combine is a collective, so every rank of the group runs the same
 number of passes (``num_chunks``), a rank with fewer tokens running empty ones (M = 0). A group of
-one rank agrees nothing (no collective: its passes are its own). Under CUDA graph capture nothing
+one rank agrees nothing (no collective: its passes are its own). A call refused by the kernel's
+checks on one rank joins the pass count all-reduce carrying that refusal, so every rank raises
+CollectiveRefusal in the same call; over the torch buffers every dispatch also compares its pass
+(PassStamp) across the ranks, so ranks that planned different passes raise together. Under CUDA graph capture nothing
 is read on the host: high-throughput mode is refused, and low-latency mode without
 max_tokens_across_ranks runs one pass (``num_chunks``).
 
@@ -55,7 +58,14 @@ import torch
 import torch.distributed as dist
 
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
-from vllm_moe_fixes.distributed.collectives import run_collective
+from vllm_moe_fixes.distributed.collectives import (
+    NO_STAMP,
+    PassStamp,
+    chunk_size_mismatch,
+    encode_verdict,
+    raise_verdict,
+    run_collective,
+)
 from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     PrepareAndFinalize,
@@ -67,21 +77,39 @@ from vllm_moe_fixes.ops.moe_sum import moe_sum
 from vllm_moe_fixes.sizes import cdiv
 
 
+# Most passes one layer call may run. A pass is a dispatch and a combine (tens of microseconds at
+# least on a GPU, milliseconds on gloo), so 2**16 passes take seconds to minutes; the largest real
+# calls (a 128k-token prefill at low-latency N=16: 8192 passes) stay well below, while a
+# max_tokens_across_ranks off by orders of magnitude (10**8 at N=16: 6.25 M passes, hours of empty
+# dispatches) is refused before any collective.
+MAX_PASSES_PER_CALL = 2**16
+
+
 def weighted_input(a1: torch.Tensor, topk_weights: torch.Tensor, on_input: bool) -> torch.Tensor:
     """a1 * weight (k == 1) when the router weight goes on the input, else a1."""
     return a1 * topk_weights.to(a1.dtype) if on_input else a1
 
 
 def group_max_tokens(group: dist.ProcessGroup | None, num_tokens: int,
-                     chunk_size: int | None = None) -> int:
+                     chunk_size: int | None = None, *,
+                     refusal: BaseException | None = None) -> int:
     """The largest ``num_tokens`` over the ranks of ``group``: one all-reduce (MAX), read on the
     host (a device synchronisation on NCCL; the values go to the device by an asynchronous copy
     from pinned memory, no pageable copy).
 
     chunk_size: this rank's tokens per pass, agreed in the same all-reduce; ranks that differ all
     raise a ValueError naming VLLM_FUSED_MOE_CHUNK_SIZE and both values (their pass counts
-    would differ, and their dispatches fall out of step until the group times out)."""
-    values = [num_tokens] if chunk_size is None else [num_tokens, chunk_size, -chunk_size]
+    would differ, and their dispatches fall out of step until the group times out).
+
+    refusal: this rank's error for the call, or None. It rides in the same all-reduce as a
+    verdict (collectives.encode_verdict), so that every rank raises CollectiveRefusal when any
+    rank refused, naming the lowest refusing rank and its reason; the refusing rank's error
+    carries its own message."""
+    values = [num_tokens, 0, 0, 0]
+    if refusal is not None:
+        values[3] = encode_verdict(dist.get_rank(group), dist.get_world_size(group), refusal)
+    if chunk_size is not None:
+        values[1:3] = chunk_size, -chunk_size
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
         counts = torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device,
@@ -90,11 +118,11 @@ def group_max_tokens(group: dist.ProcessGroup | None, num_tokens: int,
         counts = torch.tensor(values, dtype=torch.int64)
     run_collective(dist.all_reduce, counts, op=dist.ReduceOp.MAX, group=group)
     got = counts.tolist()
+    if got[3]:  # a rank refused: raise on every rank before anything else is compared
+        raise_verdict(got[3], dist.get_world_size(group), dist.get_rank(group), refusal)
     if chunk_size is not None and got[1] != -got[2]:
-        raise ValueError(
-            f"VLLM_FUSED_MOE_CHUNK_SIZE differs across the ranks: passes of {-got[2]} tokens on "
-            f"some and {got[1]} on others (this rank: {chunk_size}; a low-latency pass is also "
-            "capped by max_tokens_per_rank); set it to one value on every rank")
+        raise chunk_size_mismatch(f"{-got[2]} on some ranks and {got[1]} on others (this rank: "
+                                  f"{chunk_size})")
     return got[0]
 
 
@@ -126,45 +154,85 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
         self.buffer = buffer
         self._num_dispatchers = num_dispatchers
         self._pending = None  # what finalize needs from the last prepare
-        self._agreed_chunk_sizes: set[int] = set()  # checked equal on every rank
+        self._agreed_chunk_size: int | None = None  # the last one checked equal on every rank
+        # Torch buffers compare a PassStamp of every dispatch across the ranks (collectives).
+        self._stamps_passes = hasattr(buffer, "pass_stamp")
+        self._plan = NO_STAMP  # the passes of the current call (index: the next prepare's)
 
     def num_dispatchers(self) -> int:
         return self._num_dispatchers
 
     def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None,
-                   *, capturing: bool = False) -> int:
+                   *, capturing: bool = False, refusal: BaseException | None = None) -> int:
         """The same number of passes on every rank of the group.
 
         One rank: cdiv(num_tokens, chunk_size), no collective (max_tokens_across_ranks is not
         read). Several: cdiv(the group's largest token count, chunk_size), every rank's
-        chunk_size checked equal (group_max_tokens) on the buffer's group:
-        - eager, without max_tokens_across_ranks: one all-reduce finds the count and checks the
-          chunk size (a host synchronisation);
-        - with it: the count needs no collective, and the chunk size is checked by one
-          all-reduce at the first eager call of each value (every rank's first call of a value
-          is the same call);
+        chunk_size checked equal on the buffer's group:
+        - eager, without max_tokens_across_ranks: one all-reduce (group_max_tokens) finds the
+          count, checks the chunk size and carries each rank's verdict on the call (refusal:
+          this rank's error, raised after it as CollectiveRefusal on every rank);
+        - with it: no collective of its own. Over the torch buffers every dispatch compares a
+          PassStamp (pass index and count, chunk size, max_tokens_across_ranks) across the ranks
+          in the count exchange it makes anyway: ranks that disagree raise ValueError together
+          in the first pass. Over DeepEP's buffers nothing can ride in the dispatch: the chunk
+          size is checked by one all-reduce at this object's first eager call (every rank's
+          first call is the same call) and not again (a later change on some ranks only would
+          run that all-reduce alone, a hang); a pass count that then differs is not detected;
         - captured (capturing), without it: nothing can be agreed, so the call is one pass on
           every rank: ValueError naming max_tokens_across_ranks when num_tokens > chunk_size.
+        Without an all-reduce a refusal is raised at once, on this rank only. A pass count above
+        MAX_PASSES_PER_CALL (a max_tokens_across_ranks no buffer or chunk could serve) is
+        refused before any collective: with the same value on every rank, on every rank.
         """
         if self._num_dispatchers == 1:
+            if refusal is not None:
+                raise refusal
             return cdiv(num_tokens, chunk_size)
         group = getattr(self.buffer, "group", None)
-        if max_tokens_across_ranks is None:
-            if capturing:
-                if num_tokens > chunk_size:
-                    raise ValueError(
-                        f"max_tokens_across_ranks: a call captured in a CUDA graph without it "
-                        f"runs one pass of at most {chunk_size} tokens on every rank "
-                        "(VLLM_FUSED_MOE_CHUNK_SIZE, capped by max_tokens_per_rank; no "
-                        f"collective can agree on more), got M={num_tokens}; pass the largest M "
-                        "of the group's ranks as max_tokens_across_ranks, or capture fewer tokens")
-                return 1
-            max_tokens_across_ranks = group_max_tokens(group, num_tokens, chunk_size)
-            self._agreed_chunk_sizes.add(chunk_size)
-        elif chunk_size not in self._agreed_chunk_sizes and not capturing:
+        if max_tokens_across_ranks is None and not capturing:
+            max_tokens_across_ranks = group_max_tokens(group, num_tokens, chunk_size,
+                                                       refusal=refusal)
+            self._agreed_chunk_size = chunk_size
+        elif refusal is not None:
+            raise refusal
+        elif max_tokens_across_ranks is None:  # captured: one pass
+            if num_tokens > chunk_size:
+                raise ValueError(
+                    f"max_tokens_across_ranks: a call captured in a CUDA graph without it "
+                    f"runs one pass of at most {chunk_size} tokens on every rank "
+                    "(VLLM_FUSED_MOE_CHUNK_SIZE, capped by max_tokens_per_rank; no "
+                    f"collective can agree on more), got M={num_tokens}; pass the largest M "
+                    "of the group's ranks as max_tokens_across_ranks, or capture fewer tokens")
+            return self._planned(1, chunk_size, 0)
+        elif not (capturing or self._stamps_passes or self._agreed_chunk_size is not None):
             group_max_tokens(group, 0, chunk_size)
-            self._agreed_chunk_sizes.add(chunk_size)
-        return cdiv(max_tokens_across_ranks, chunk_size)
+            self._agreed_chunk_size = chunk_size
+        passes = cdiv(max_tokens_across_ranks, chunk_size)
+        if passes > MAX_PASSES_PER_CALL:
+            raise ValueError(
+                f"max_tokens_across_ranks={max_tokens_across_ranks} would take {passes} passes "
+                f"of {chunk_size} tokens (VLLM_FUSED_MOE_CHUNK_SIZE, capped by "
+                f"max_tokens_per_rank), more than the {MAX_PASSES_PER_CALL} any call can "
+                "sensibly run; pass the largest M of the group's ranks for this call")
+        return self._planned(passes, chunk_size, max_tokens_across_ranks)
+
+    def _planned(self, passes: int, chunk_size: int, max_tokens: int) -> int:
+        """Keep the call's plan for the PassStamps of its dispatches; return passes."""
+        self._plan = PassStamp(0, passes, chunk_size, max_tokens)
+        return passes
+
+    def _stamp_pass(self) -> None:
+        """Hand the next dispatch its PassStamp (torch buffers); after the plan's last pass, and
+        for prepares outside a layer call, NO_STAMP."""
+        plan = self._plan
+        if not self._stamps_passes:
+            return
+        if plan.index < plan.passes:
+            self.buffer.pass_stamp = plan
+            self._plan = plan._replace(index=plan.index + 1)
+        else:
+            self.buffer.pass_stamp = NO_STAMP
 
     def _take_pending(self):
         if self._pending is None:
@@ -289,6 +357,7 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         a1 = weighted_input(a1, topk_weights, apply_router_weight_on_input)
         a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
         ids = topk_ids.to(torch.int64).contiguous()  # DeepEP takes int64 ids
+        self._stamp_pass()
         per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
             ids, num_experts)
         (recv_q, recv_s), recv_ids, recv_w, counts, handle, _ = self.buffer.dispatch(
@@ -351,6 +420,7 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         a1 = weighted_input(a1, topk_weights, apply_router_weight_on_input).contiguous()
         # DeepEP takes int64 ids; combine needs them too
         ids = topk_ids.to(torch.int64).contiguous()
+        self._stamp_pass()
         recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
             a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch)
         self._pending = (handle, ids)
@@ -435,6 +505,7 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         a1 = weighted_input(a1, topk_weights, apply_router_weight_on_input)
         a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
         ids = topk_ids.to(self.topk_idx_dtype).contiguous()
+        self._stamp_pass()
         (recv_q, recv_s), recv_ids, recv_w, handle, _ = self.buffer.dispatch(
             (a1q, a1s), topk_idx=ids, topk_weights=topk_weights.float().contiguous(),
             num_experts=num_experts, num_max_tokens_per_rank=n, do_cpu_sync=self.do_cpu_sync)

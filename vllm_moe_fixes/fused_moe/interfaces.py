@@ -107,7 +107,7 @@ class PrepareAndFinalize(ABC):
         return 1
 
     def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None,
-                   *, capturing: bool = False) -> int:
+                   *, capturing: bool = False, refusal: BaseException | None = None) -> int:
         """Passes of the experts for a call of num_tokens tokens, at most chunk_size per pass.
 
         Every rank of an expert-parallel group must return the same number (each pass is one
@@ -117,7 +117,14 @@ class PrepareAndFinalize(ABC):
         keep in step with); several, cdiv(max_tokens_across_ranks, chunk_size) when the caller
         gives the group's maximum, else one pass (no count is agreed without a collective: an
         expert-parallel subclass overrides this).
+
+        refusal: this rank's error for the call (the kernel's checks refused it). A subclass
+        that agrees something across the group here joins that agreement carrying it, so that
+        every rank raises (DeepEP's: CollectiveRefusal), and raises; one that agrees nothing
+        raises it at once, as the default does.
         """
+        if refusal is not None:
+            raise refusal
         if self.num_dispatchers() == 1:
             return cdiv(num_tokens, chunk_size)
         if max_tokens_across_ranks is not None:

@@ -141,6 +141,9 @@ class FusedMoEModularKernel:
         always for CPU tensors; for CUDA tensors only with VLLM_MOE_CHECK_IDS=1, because the
         check reads the values (a host synchronisation per call, which also cannot be captured
         in a CUDA graph). Unchecked, an out-of-range id counts as non-local on the one-rank path.
+        With expert parallelism, eager and without max_tokens_across_ranks, such an error on any
+        rank is raised on every rank of the group in the same call as CollectiveRefusal (a
+        ValueError naming the refusing rank and its reason; DeepEP's num_chunks).
 
         Non-finite inputs follow vLLM's quant recipe, which requantises activations to FP8 before
         each GEMM (a NaN element becomes -448 and takes no part in its group's scale; a group
@@ -172,14 +175,17 @@ class FusedMoEModularKernel:
         capturing = stream_is_capturing()
         if capturing:
             self._check_capturable()
-        check_layer_call(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale,
-                         w2_scale=w2_scale, global_num_experts=global_num_experts,
-                         expert_map=expert_map, activation=activation,
-                         apply_router_weight_on_input=apply_router_weight_on_input,
-                         max_tokens_across_ranks=max_tokens_across_ranks)
-        if envs.VLLM_MOE_CHECK_FINITE:
-            check_finite(hidden_states=hidden_states, topk_weights=topk_weights)
-            check_weights_finite(w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale)
+        try:
+            check_layer_call(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale,
+                             w2_scale=w2_scale, global_num_experts=global_num_experts,
+                             expert_map=expert_map, activation=activation,
+                             apply_router_weight_on_input=apply_router_weight_on_input,
+                             max_tokens_across_ranks=max_tokens_across_ranks)
+            if envs.VLLM_MOE_CHECK_FINITE:
+                check_finite(hidden_states=hidden_states, topk_weights=topk_weights)
+                check_weights_finite(w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale)
+        except ValueError as refusal:
+            self._refuse_in_step(refusal, max_tokens_across_ranks, capturing)
         call = _LayerCall(weights=Fp8MoEWeights(w1, w1_scale, w2, w2_scale),
                           global_num_experts=global_num_experts, expert_map=expert_map,
                           on_input=apply_router_weight_on_input,
@@ -200,15 +206,29 @@ class FusedMoEModularKernel:
                                  "capture, or run the layer eagerly")
         self.prepare_finalize.check_capturable()
 
+    def _refuse_in_step(self, refusal: ValueError, max_tokens_across_ranks,
+                        capturing: bool) -> None:
+        """Raise refusal, this rank's error for the call. Where the call agrees its pass count
+        across an expert-parallel group (eager, without max_tokens_across_ranks: num_chunks), this
+        rank first joins that agreement carrying the refusal, so that every rank of the group
+        raises CollectiveRefusal in this call instead of waiting for this one in a dispatch."""
+        if self.prepare_finalize.num_dispatchers() > 1:
+            self.prepare_finalize.num_chunks(0, self._pass_tokens(envs.VLLM_FUSED_MOE_CHUNK_SIZE),
+                                             max_tokens_across_ranks, capturing=capturing,
+                                             refusal=refusal)
+        raise refusal
+
+    def _pass_tokens(self, tokens_per_pass: int) -> int:
+        """Tokens per pass: VLLM_FUSED_MOE_CHUNK_SIZE capped by max_num_tokens_per_rank."""
+        capacity = self.prepare_finalize.max_num_tokens_per_rank()
+        return tokens_per_pass if capacity is None else min(tokens_per_pass, capacity)
+
     def _run(self, call: _LayerCall, hidden_states, topk_weights, topk_ids,
              max_tokens_across_ranks, capturing) -> torch.Tensor:
         """The validated call: its chunks, each prepare -> experts -> finalize."""
         M = hidden_states.shape[0]
         pf = self.prepare_finalize
-        chunk = call.tokens_per_pass
-        capacity = pf.max_num_tokens_per_rank()
-        if capacity is not None:
-            chunk = min(chunk, capacity)
+        chunk = self._pass_tokens(call.tokens_per_pass)
         num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks, capturing=capturing)
         step = max(chunk, cdiv(M, num_chunks)) if num_chunks else chunk
         output = torch.empty_like(hidden_states)
