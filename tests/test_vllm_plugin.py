@@ -26,9 +26,14 @@ E, K, I, TOPK = 8, 256, 128, 2
 
 @pytest.fixture
 def restore_fp8_names(monkeypatch):
-    """Undo register()'s rebinding after the test."""
+    """Undo register()'s rebinding after the test: vLLM's FP8 selector and kernel builder, and
+    the MoE runner's forward selection (data parallel + EP)."""
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
     for name in ("select_fp8_moe_backend", "make_fp8_moe_kernel"):
         monkeypatch.setattr(fp8_method, name, getattr(fp8_method, name))
+    monkeypatch.setattr(moe_runner.MoERunner, "_select_forward",
+                        moe_runner.MoERunner._select_forward)
 
 
 def test_entry_point_is_registered():
@@ -211,15 +216,16 @@ class _FakeBuffer:
 
 
 def _fake_ep_group(monkeypatch, buffer, rank=1, world_size=2):
-    """vLLM's EP group as the plugin reads it: its all2all manager hands out ``buffer``."""
+    """vLLM's EP group (a GroupCoordinator) as the plugin reads it: its rank count, this rank,
+    and its all2all manager, which hands out ``buffer``."""
     import types
 
     import vllm.distributed
     handles = []
-    manager = types.SimpleNamespace(world_size=world_size, rank=rank,
-                                    get_handle=lambda kwargs: handles.append(kwargs) or buffer)
-    group = types.SimpleNamespace(device_communicator=types.SimpleNamespace(
-        all2all_manager=manager))
+    manager = types.SimpleNamespace(get_handle=lambda kwargs: handles.append(kwargs) or buffer)
+    group = types.SimpleNamespace(world_size=world_size, rank_in_group=rank,
+                                  device_communicator=types.SimpleNamespace(
+                                      all2all_manager=manager))
     monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: group)
     return handles
 

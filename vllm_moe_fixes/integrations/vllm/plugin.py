@@ -16,9 +16,11 @@ those two names in that module:
 The plugin decides no wiring: it maps vLLM's names onto the library's factory
 (``fused_moe.kernel_factory``), which decides for this library and for vLLM alike. vLLM's
 parallel config -> our backend name (no all-to-all, ``deepep_high_throughput``,
-``deepep_low_latency``, ``deepep_v2``); the factory's ``prepare_finalize_wiring`` -> our
+``deepep_low_latency``, ``deepep_v2``; ``naive`` for the data-parallel EP layers on CPU that
+``data_parallel.py`` takes over); the factory's ``prepare_finalize_wiring`` -> our
 prepare/finalize class and its arguments, over the buffer vLLM's all2all manager built (our
-DeepEP adapters check it against DeepEP's rules before the first forward); its
+DeepEP adapters check it against DeepEP's rules before the first forward) or, for ``naive``, our
+``TorchAll2AllBuffer`` on the gloo group of vLLM's EP group; its
 ``experts_for_format`` -> our experts class (layout, VLLM_USE_DEEP_GEMM); then our class ->
 its adapter (``ADAPTER_OF_PREPARE_FINALIZE``, ``ADAPTER_OF_EXPERTS``). Other quantisation
 methods that import the selector (modelopt, compressed-tensors, online FP8) keep vLLM's kernels.
@@ -155,10 +157,10 @@ def make_kernel(moe_quant_config, moe_config, experts_cls, routing_tables=None):
 def make_prepare_finalize(moe_config, routing_tables=None):
     """Our prepare/finalize adapter for the all-to-all vLLM's parallel config asks for: the
     library's factory (``prepare_finalize_wiring``) picks the class and its arguments from our
-    backend name, the buffer of vLLM's EP-group all2all manager and vLLM's numbers; this maps
-    the names (``_backend_of``, ``ADAPTER_OF_PREPARE_FINALIZE``) and asks vLLM for its buffer.
-    vLLM's routing tables (EPLB, round-robin placement) are refused: ours place expert g on
-    rank g // E_l."""
+    backend name, the buffer and vLLM's numbers; this maps the names (``_backend_of``,
+    ``ADAPTER_OF_PREPARE_FINALIZE``) and supplies the buffer (``_all2all_buffer``). vLLM's
+    routing tables (EPLB, round-robin placement) are refused: ours place expert g on rank
+    g // E_l."""
     from vllm_moe_fixes.fused_moe import kernel_factory
     from vllm_moe_fixes.integrations.vllm.prepare_finalize import ADAPTER_OF_PREPARE_FINALIZE
     from vllm_moe_fixes.integrations.vllm.support import check_no_routing_tables
@@ -169,16 +171,13 @@ def make_prepare_finalize(moe_config, routing_tables=None):
         wiring = kernel_factory.prepare_finalize_wiring(None, num_experts=moe_config.num_experts)
         return ADAPTER_OF_PREPARE_FINALIZE[wiring.cls].for_vllm_layer(moe_config, None,
                                                                       **wiring.kwargs)
-    from vllm_moe_fixes.integrations.vllm import data_parallel  # DP + EP on CPU: its module
-    if data_parallel.takes_over(cfg):
-        return data_parallel.make_data_parallel_prepare_finalize(moe_config)
     from vllm.distributed import get_ep_group
 
     backend = _backend_of(cfg)
-    manager = get_ep_group().device_communicator.all2all_manager
-    buffer = manager.get_handle(_buffer_request(backend, moe_config, manager.world_size))
+    ep_group = get_ep_group()
+    buffer = _all2all_buffer(backend, moe_config, ep_group)
     wiring = kernel_factory.prepare_finalize_wiring(
-        backend, num_ranks=manager.world_size, rank=manager.rank,
+        backend, num_ranks=ep_group.world_size, rank=ep_group.rank_in_group,
         num_experts=moe_config.num_experts, max_tokens_per_rank=moe_config.max_num_tokens,
         low_latency=not _engine_runs_eagerly() if backend == "deepep_v2" else None,
         buffer=buffer)
@@ -193,12 +192,37 @@ _BACKEND_OF_FLAG = (("use_deepep_ht_kernels", "deepep_high_throughput"),
 
 
 def _backend_of(cfg) -> str:
-    """Our backend name for vLLM's all2all flags; ValueError for one we have no name for."""
+    """Our backend name for vLLM's all2all flags, or ``naive`` (our torch.distributed
+    all-to-all) for the data-parallel EP config ``data_parallel`` takes over; ValueError for a
+    config we have no name for, or where that take-over does not hold (with its reason)."""
+    from vllm_moe_fixes.integrations.vllm import data_parallel
+
     for flag, backend in _BACKEND_OF_FLAG:
         if getattr(cfg, flag, False):
             return backend
+    if data_parallel.takes_over(cfg):
+        problem = data_parallel.dp_ep_problem(cfg)
+        if problem is not None:
+            raise ValueError(f"vllm_moe_fixes data parallel + EP: {problem}")
+        return "naive"
     raise ValueError(f"all2all_backend={cfg.all2all_backend!r} has no vllm_moe_fixes "
                      "prepare/finalize (the selector leaves such layers to vLLM)")
+
+
+def _all2all_buffer(backend: str, moe_config, ep_group):
+    """The buffer our prepare/finalize runs over, on vLLM's EP group (``GroupCoordinator``):
+    for ``naive``, the library's ``TorchAll2AllBuffer`` on the group's gloo group
+    (``make_all2all_buffer``: one per group and sizes, the layers share it); for DeepEP, the
+    one vLLM's all2all manager builds, asked as vLLM's own DeepEP paths ask it."""
+    if backend == "naive":
+        from vllm_moe_fixes.distributed import make_all2all_buffer
+
+        return make_all2all_buffer(backend, ep_group.cpu_group,
+                                   max_tokens_per_rank=moe_config.max_num_tokens,
+                                   hidden=moe_config.hidden_dim,
+                                   num_experts=moe_config.num_experts)
+    manager = ep_group.device_communicator.all2all_manager
+    return manager.get_handle(_buffer_request(backend, moe_config, ep_group.world_size))
 
 
 def _buffer_request(backend: str, moe_config, num_ranks: int) -> dict:

@@ -29,6 +29,9 @@ construction.
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
@@ -37,6 +40,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceNoOP,
 )
 
+from vllm_moe_fixes import envs
 from vllm_moe_fixes.fused_moe import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
@@ -49,6 +53,9 @@ from vllm_moe_fixes.integrations.vllm.support import (
     quant_config_problem,
 )
 from vllm_moe_fixes.ops import SCALE_BLOCK
+from vllm_moe_fixes.sizes import cdiv
+
+logger = logging.getLogger("vllm.plugins.vllm_moe_fixes")
 
 
 def output_is_reduced(weight_and_reduce_impl: mk.TopKWeightAndReduce) -> bool:
@@ -155,7 +162,35 @@ class VllmNoEPPrepareAndFinalize(_StandardAdapter):
 
 class _StandardDispatchAdapter(_StandardAdapter):
     """What the two standard-layout DeepEP adapters (high-throughput, V2) share: int64 ids
-    in, a reduced output out of combine, prepare's result in vLLM's convention."""
+    in, a reduced output out of combine, prepare's result in vLLM's convention, and a log line
+    of the experts' workspace bytes each time this rank receives more tokens than ever before
+    (routing may send one rank every token of the group, as vLLM's profile run with all-zero ids
+    does; our contiguous experts then take them in passes of VLLM_FUSED_MOE_CHUNK_SIZE tokens,
+    which bounds those bytes)."""
+
+    _experts = None  # vLLM's experts of this kernel, from post_init_setup
+    _most_received = 0
+
+    def post_init_setup(self, fused_experts) -> None:
+        """vLLM's FusedMoEKernel hands over its experts when built: kept for the log."""
+        self._experts = fused_experts
+
+    def _log_workspaces(self, received: int, a1: torch.Tensor, topk: int) -> None:
+        """Log what vLLM's kernel allocates for ``received`` tokens: max(workspace13, output) and
+        workspace2, in the experts' workspace dtype (``FusedMoEKernel``'s allocation)."""
+        experts = self._experts
+        local_num_experts, _, intermediate_blocks = experts.w2_scale.shape  # [E_l, K/128, I/128]
+        ws13, ws2, out = experts.workspace_shapes(
+            received, 2 * intermediate_blocks * SCALE_BLOCK, a1.shape[1], topk,
+            local_num_experts * self.num_dispatchers(), local_num_experts, None, None)
+        nbytes = ((max(math.prod(ws13), math.prod(out)) + math.prod(ws2))
+                  * experts.workspace_dtype(a1.dtype).itemsize)
+        rank = self.ours.rank_expert_offset // local_num_experts  # rank r holds [r*E_l, ...)
+        step = envs.VLLM_FUSED_MOE_CHUNK_SIZE  # the contiguous experts' bound
+        logger.info("vllm_moe_fixes: rank %d received %d tokens (this layer's most so far): "
+                    "experts' workspaces %d bytes, %d pass(es) of at most %d tokens "
+                    "(VLLM_FUSED_MOE_CHUNK_SIZE)", rank, received, nbytes, cdiv(received, step),
+                    step)
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return torch.int64
@@ -180,6 +215,10 @@ class _StandardDispatchAdapter(_StandardAdapter):
             counts = torch.tensor(self.ours.num_recv_tokens_per_expert, dtype=torch.int32)
             meta = mk.ExpertTokensMetadata(expert_num_tokens=counts.to(res.a1q.device),
                                            expert_num_tokens_cpu=counts)
+        received = res.a1q.shape[0]
+        if received > self._most_received and self._experts is not None:
+            self._most_received = received
+            self._log_workspaces(received, a1, topk_ids.shape[1])
         return res.a1q, res.a1q_scale, meta, ids, res.topk_weights
 
 

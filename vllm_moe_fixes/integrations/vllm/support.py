@@ -10,7 +10,8 @@ Served: block-FP8 weights in 128x128 blocks with float32 scales, activations qua
 group at run time (no static input scales), SiLU-and-mul on a packed [gate; up] w13, bf16
 activations, hidden and intermediate sizes multiples of 128, no bias, LoRA, EPLB, micro-batching
 (DBO) or non-linear expert placement; prepare/finalize: one rank, or vLLM's DeepEP high-throughput /
-low-latency all-to-all.
+low-latency all-to-all, or, for data parallel + EP on CPU, this library's torch.distributed one
+(``data_parallel.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vllm_moe_fixes.distributed.deepep_sizing import (
     check_high_throughput_config,
     check_low_latency_config,
 )
+from vllm_moe_fixes.integrations.vllm import data_parallel
 from vllm_moe_fixes.ops import FP8_DTYPE, SCALE_BLOCK
 
 BLOCK_SHAPE = [SCALE_BLOCK, SCALE_BLOCK]
@@ -71,8 +73,7 @@ def parallel_config_problem(cfg: FusedMoEParallelConfig, batched: bool) -> str |
             "the batched experts pair with vLLM's deepep_low_latency all-to-all only")
     if cfg.use_deepep_ll_kernels:
         return "deepep_low_latency takes the batched experts"
-    from vllm_moe_fixes.integrations.vllm import data_parallel  # DP + EP on CPU: its module
-    if data_parallel.takes_over(cfg):
+    if data_parallel.takes_over(cfg):  # DP + EP on CPU: our naive all-to-all, where it holds
         return data_parallel.dp_ep_problem(cfg)
     standard_all2all = cfg.use_deepep_ht_kernels or getattr(cfg, "use_deepep_v2_kernels", False)
     if cfg.use_passthrough_all2all or (cfg.use_all2all_kernels and not standard_all2all):
@@ -153,9 +154,14 @@ def check_deepep_buffer(buffer, *, low_latency: bool, num_ranks: int, hidden: in
     and expert split DeepEP v1.2.1 takes, and at least the NVLink / RDMA bytes its hints ask for.
 
     buffer: a ``deep_ep.Buffer`` (or this library's ``TorchAll2AllBuffer``, which has no NVLink
-    buffer) over ``num_ranks`` ranks (which our prepare/finalize checks when built, with
-    ``buffer_rank_and_size``); max_tokens_per_rank: the low-latency dispatch's N.
+    buffer to size, and whose high-throughput dispatch runs in either mode: the ``naive``
+    backend's buffer is built in low-latency mode, to serve both) over ``num_ranks`` ranks (which
+    our prepare/finalize checks when built, with ``buffer_rank_and_size``); max_tokens_per_rank:
+    the low-latency dispatch's N.
     """
+    nvl_bytes = getattr(buffer, "num_nvl_bytes", None)
+    if nvl_bytes is None and not low_latency:  # TorchAll2AllBuffer's high-throughput dispatch
+        return
     if bool(getattr(buffer, "low_latency_mode", False)) != low_latency:
         raise ValueError(f"vLLM's DeepEP buffer has low_latency_mode="
                          f"{getattr(buffer, 'low_latency_mode', False)}; this prepare/finalize "
@@ -166,9 +172,6 @@ def check_deepep_buffer(buffer, *, low_latency: bool, num_ranks: int, hidden: in
         what = (f"the low-latency dispatch of {max_tokens_per_rank} tokens per rank, "
                 f"hidden={hidden}, {num_ranks} ranks, {num_experts} experts")
     else:
-        nvl_bytes = getattr(buffer, "num_nvl_bytes", None)
-        if nvl_bytes is None:  # TorchAll2AllBuffer: no NVLink buffer to size
-            return
         need = check_high_throughput_config(hidden, num_ranks, num_experts, nvl_bytes)
         what = f"high-throughput dispatch of hidden={hidden} over {num_ranks} ranks"
     if rdma_bytes < need:
