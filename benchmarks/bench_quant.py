@@ -78,7 +78,7 @@ from vllm_moe_fixes.sizes import ROW_ALIGNMENT, cdiv
 
 K = 7168
 MS = (1, 256, 4096, 16384, 65536)
-# vLLM 0.33's CUDA per_token_group_fp8_quant, do_bench on the same H200 (figures.md, Dec 1-2):
+# vLLM 0.33's CUDA per_token_group_fp8_quant, do_bench on the same H200 (recorded Dec 1-2):
 # its compiled ops cannot be carried to the device, so the anchor is the recorded figure.
 VLLM_CUDA_US = {1: 5.2, 256: 8.3}
 DEFAULT = {"block_m": QUANT_BLOCK_M, "groups_per_prog": QUANT_GROUPS_PER_PROG,

@@ -29,7 +29,8 @@ PUBLIC = {
                                  "BatchedTritonExperts", "BatchedDeepGemmExperts",
                                  "NoEPPrepareAndFinalize", "DeepEPHTPrepareAndFinalize",
                                  "DeepEPLLPrepareAndFinalize", "Workspaces", "fused_topk",
-                                 "grouped_topk", "moe_reference", "select_experts", "select_batched_experts"],
+                                 "grouped_topk", "moe_reference", "select_experts",
+                                 "select_batched_experts"],
     "vllm_moe_fixes.distributed": ["TorchAll2AllBuffer", "make_all2all_buffer",
                                    "deepep_ll_rdma_bytes", "deepep_nvl_bytes", "deepep_rdma_bytes"],
     "vllm_moe_fixes.worker": ["maybe_randomize_inputs"],
@@ -89,8 +90,9 @@ def test_readme_dotted_names_resolve():
 
 def test_readme_class_names_import():
     """Every backticked CamelCase name (`TritonExperts()`, `TorchAll2AllBuffer`, ...) is exported
-    by one of the public packages, unless it is a Python builtin or another library's."""
-    modules = [importlib.import_module(m) for m in PUBLIC]
+    by one of the public packages (the vLLM integration's too, whose import loads no vllm),
+    unless it is a Python builtin or another library's."""
+    modules = [importlib.import_module(m) for m in (*PUBLIC, "vllm_moe_fixes.integrations.vllm")]
     names = {m.group(1) for text in _backticked()
              if (m := re.match(r"([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)(?:\(|$)", text))}
     missing = [n for n in sorted(names - FOREIGN_CLASSES) if not hasattr(builtins, n)

@@ -8,6 +8,7 @@ and the ``vllm.general_plugins`` hook that makes vLLM's block-FP8 FusedMoE layer
                       VllmBatchedDeepGemmExperts (FusedMoEExpertsModular), their base VllmExperts
     support           what they serve (the reasons for a refusal), DeepEP buffer checks
     plugin            register (the entry point), make_kernel, make_prepare_finalize
+    versions          UnsupportedVllmVersionError (register's refusal of an older vLLM)
 
 Importing this package imports no vllm: the names below load their module (and vllm) on first
 use, so the entry point stays cheap while VLLM_MOE_FIXES is unset.
@@ -28,6 +29,7 @@ _MODULE_OF = {
     "register": "plugin",
     "make_kernel": "plugin",
     "make_prepare_finalize": "plugin",
+    "UnsupportedVllmVersionError": "versions",
 }
 
 __all__ = sorted(_MODULE_OF)
