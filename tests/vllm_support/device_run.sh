@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The vLLM plugin's GPU checks, on one H200, against vLLM 0.33's Python tree (no compiled .so).
 #
-#   bash tests/vllm_support/device_run.sh CARRY RESULTS_DIR [harness|all]
+#   bash tests/vllm_support/device_run.sh CARRY RESULTS_DIR [harness|ours|all]
 #
 # CARRY: the folder that ../shared/tools/vllm_device_bundle.sh built (vLLM 0.33.0's .py tree, the
 # tests of its sdist, the pure-Python wheels the image lacks); it is unpacked into /tmp/v033_site
 # and /tmp/v033_src. vLLM's compiled .so files are too large to carry: the stand-ins of
 # tests/vllm_support/stand_ins take their place for the ops these checks reach. `harness` runs step
-# 1 alone; `all` (the default) also steps 2 and 3, which need DeepEP and DeepGEMM from
+# 1 alone; `all` (the default) also steps 2 and 3, `ours` the same with our cases alone in step 1;
+# steps 2 and 3 need DeepEP and DeepGEMM from
 # benchmarks/device_build.sh. Writes RESULTS_DIR/vllm_*.log, vllm_harness_singlegpu_*.xml (JUnit,
 # one entry per case) and vllm_host_cost_*.json: copy what is kept into benchmarks/results/.
 set -uo pipefail
@@ -33,7 +34,9 @@ status=0
 #    defines the one fixture the harness takes from it. Case ids name the classes
 #    (...-<PrepareFinalize>-<Experts>-1); -k matches without case, hence the full class names.
 OURS="VllmNoEPPrepareAndFinalize or VllmTritonExperts or VllmDeepGemmExperts or VllmBatched"
-for part in ours vllms; do
+PARTS="ours vllms"
+[ "$STEPS" = ours ] && PARTS=ours
+for part in $PARTS; do
     select="singlegpu and ($OURS)"
     [ $part = vllms ] && select="singlegpu and not ($OURS)"
     (cd "$VSRC" && PYTHONPATH="$REPO/tests/vllm_support:$PYTHONPATH" python3 -m pytest -v -rA \

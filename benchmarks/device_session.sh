@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A session's closing GPU check in one device call on one H200 (about 8 minutes):
+#
+#     bash benchmarks/device_session.sh      # carry .deps/deps_src.tar.xz, .deps/*.so.gz, .vllm_carry
+#
+# In parallel: (a) the GPU suite with the real DeepEP v1.2.1 and DeepGEMM v2.6.1 (device_run.sh
+# tests), (b) vLLM 0.33's harness on our single-GPU cases, our adapters inside vLLM's kernel on the
+# GPU and their host cost (tests/vllm_support/device_run.sh ours). Then, alone on the GPU so that
+# nothing else runs beside the timings, (c) the decode layer and the contiguous layer against
+# vLLM's own paths (decode twice). Logs, JUnit files and JSON go to $OUT/tests.tgz and
+# $OUT/bench.tgz (a call brings back at most 8 files).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+FINAL="${OUT:-/tmp/out}"
+export OUT="$FINAL/session"
+mkdir -p "$OUT"
+[[ -d .deps/DeepGEMM/csrc ]] || tar xJf .deps/deps_src.tar.xz -C .deps
+BENCHES=" " bash benchmarks/device_run.sh bench >"$OUT/libraries.log" 2>&1
+export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR="$PWD/.deps/dg_jit_cache"
+export PYTHONPATH="$PWD/.deps/DeepEP:$PWD/.deps/DeepGEMM${PYTHONPATH:+:$PYTHONPATH}"
+
+TEST_TIMEOUT=310 bash benchmarks/device_run.sh tests >"$OUT/suite.log" 2>&1 &
+suite=$!
+timeout 310 bash tests/vllm_support/device_run.sh .vllm_carry "$OUT/vllm" ours \
+    >"$OUT/vllm.log" 2>&1 &
+vllm=$!
+wait $suite; echo "GPU suite: status $?"; tail -n 6 "$OUT/suite.log"
+wait $vllm; echo "vLLM checks: status $?"; grep -E "passed|failed|error" "$OUT/vllm.log" | tail -n 8
+tar czf "$FINAL/tests.tgz" -C "$FINAL" session && rm -rf "$OUT" && mkdir -p "$OUT"
+
+# (c) vLLM's Python tree (unpacked by (b)) serves as the anchor of both layer benchmarks.
+export PYTHONPATH="/tmp/v033_site:$PYTHONPATH"
+for run in 1 2; do
+    timeout 60 python3 -m benchmarks.bench_decode --calls 100 --rounds 3 >"$OUT/decode_$run.log" 2>&1
+    cp benchmarks/results/decode.json "$OUT/decode_$run.json" 2>/dev/null
+    tail -n 16 "$OUT/decode_$run.log"
+done
+timeout 90 python3 -m benchmarks.bench_experts --skip-chunks --skip-batched \
+    >"$OUT/experts.log" 2>&1
+tail -n 16 "$OUT/experts.log"
+cp benchmarks/results/experts.json "$OUT/" 2>/dev/null
+tar czf "$FINAL/bench.tgz" -C "$FINAL" session && rm -rf "$OUT"
