@@ -104,10 +104,12 @@ def _chunk_mismatch_worker(rank, world, mode):
         return kernel(x, lw1, lw2, w, idx, w1_scale=ls1, w2_scale=ls2, global_num_experts=E,
                       expert_map=expert_map, max_tokens_across_ranks=given)
 
-    for given in (None, 13):  # agreed with the count, or on its own when the count is given
+    # Agreed with the count (refused before any dispatch), or, the count given, compared in the
+    # first dispatch (the torch buffer's PassStamp): refused there, on both ranks.
+    for given, dispatches in ((None, 0), (13, 1)):
         with pytest.raises(ValueError, match=r"VLLM_FUSED_MOE_CHUNK_SIZE.*\b4\b.*\b8\b"):
             call(given)
-    assert buffer.calls == 0  # refused before the first dispatch
+        assert buffer.calls == dispatches
     os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"] = "4"
     for given in (None, 13):
         before = buffer.calls

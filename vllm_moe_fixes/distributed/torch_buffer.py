@@ -134,6 +134,7 @@ class TorchAll2AllBuffer:
         # dispatch's count exchange (high-throughput) or N check (low-latency, where values are
         # checked): ranks at different passes of a layer call raise together (PassStamp).
         self.pass_stamp = NO_STAMP
+        self._stamp_columns: dict[tuple, torch.Tensor] = {}  # see _stamp_column
 
     # ----------------------------------------------------------------- static helpers (DeepEP's)
     @staticmethod
@@ -350,20 +351,37 @@ class TorchAll2AllBuffer:
         per local expert), lists of ints."""
         r, stamp = self.group_size, self.pass_stamp
         self.pass_stamp = NO_STAMP  # one dispatch's
-        width = len(stamp)  # the stamp rides in the last columns, the same to every rank
         counts = torch.cat([num_tokens_per_rank.view(r, 1).long(),
                             num_tokens_per_expert.view(r, -1).long(),
-                            torch.tensor(stamp, dtype=torch.int64).to(
-                                num_tokens_per_rank.device).expand(r, width)], 1)
+                            self._stamp_column(stamp, num_tokens_per_rank.device)], 1)
         got = torch.empty_like(counts)
-        # row s: what rank s sends here
+        # row s: what rank s sends here; its last column: rank s's stamp (hashed)
         run_collective(dist.all_to_all_single, got, counts, group=self.group)
-        host = torch.cat([counts[:, 0], got[:, 0], got[:, 1:-width].sum(0),
-                          got[:, -width:].reshape(-1)]).tolist()
-        n_local = len(host) - 2 * r - r * width
-        check_same_pass([host[-r * width:][s * width:(s + 1) * width] for s in range(r)])
-        return (host[:r], host[r:2 * r],
-                [align_up(c, expert_alignment) for c in host[2 * r:2 * r + n_local]])
+        host = torch.cat([counts[:, 0], got[:, 0], got[:, -1], got[:, 1:-1].sum(0)]).tolist()
+        if len(set(host[2 * r:3 * r])) > 1:  # every rank sees it: all gather the stamps, raise
+            self._check_same_pass(stamp, num_tokens_per_rank.device)
+        return host[:r], host[r:2 * r], [align_up(c, expert_alignment) for c in host[3 * r:]]
+
+    def _stamp_column(self, stamp: tuple, device: torch.device, n: int | None = None):
+        """int64 [R, 1] holding hash(stamp) in every row (the count exchange's last column), or
+        with n, [2] = (n, hash(stamp)) (the low-latency N check's message). Kept per value and
+        device, as a layer's calls repeat a few stamps: a tensor made per dispatch would cost
+        more host time than the rest of what the stamp adds. Never written."""
+        key = (stamp, device, n)
+        column = self._stamp_columns.get(key)
+        if column is None:
+            if len(self._stamp_columns) >= 256:  # a bound: stamps of old plans are not kept
+                self._stamp_columns.clear()
+            values = [[hash(stamp)]] * self.group_size if n is None else [n, hash(stamp)]
+            column = self._stamp_columns[key] = torch.tensor(values, dtype=torch.int64,
+                                                             device=device)
+        return column
+
+    def _check_same_pass(self, stamp: tuple, device: torch.device) -> None:
+        """ValueError on every rank naming what differs (check_same_pass): called by every rank
+        of the group when the stamps' hashes differ, so this gather meets its peers'."""
+        got = self._all_gather(torch.tensor(stamp, dtype=torch.int64, device=device))
+        check_same_pass(got.tolist())
 
     def _send_order(self, is_token_in_rank: torch.Tensor, send_splits: list[int]) -> torch.Tensor:
         """Token index of each row to send: grouped by destination rank, token order within one.
@@ -541,12 +559,12 @@ class TorchAll2AllBuffer:
     def _check_same_n(self, n: int, stamp: tuple, device: torch.device) -> None:
         """Every rank must pass the same N (the message size) and be at the same pass of a layer
         call (stamp: this dispatch's PassStamp): gathered and compared."""
-        mine = torch.tensor((n, *stamp), dtype=torch.int64).to(device)
-        got = self._all_gather(mine).tolist()
+        got = self._all_gather(self._stamp_column(stamp, device, n)).tolist()
         if len({row[0] for row in got}) > 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: "
                              f"{[row[0] for row in got]}")
-        check_same_pass([row[1:] for row in got])
+        if len({row[1] for row in got}) > 1:
+            self._check_same_pass(stamp, device)
 
     def _check_ll_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats, async_finish,
                           return_recv_hook) -> None:
