@@ -366,15 +366,19 @@ class TorchAll2AllBuffer:
         """int64 [R, 1] holding hash(stamp) in every row (the count exchange's last column), or
         with n, [2] = (n, hash(stamp)) (the low-latency N check's message). Kept per value and
         device, as a layer's calls repeat a few stamps: a tensor made per dispatch would cost
-        more host time than the rest of what the stamp adds. Never written."""
+        more host time than the rest of what the stamp adds. Filled on the device (torch.full), not
+        copied from a host list: a pageable copy would add a host synchronisation to the
+        dispatch's first call of each stamp. Never written after."""
         key = (stamp, device, n)
         column = self._stamp_columns.get(key)
         if column is None:
             if len(self._stamp_columns) >= 256:  # a bound: stamps of old plans are not kept
                 self._stamp_columns.clear()
-            values = [[hash(stamp)]] * self.group_size if n is None else [n, hash(stamp)]
-            column = self._stamp_columns[key] = torch.tensor(values, dtype=torch.int64,
-                                                             device=device)
+            shape = (self.group_size, 1) if n is None else (2,)
+            column = torch.full(shape, hash(stamp), dtype=torch.int64, device=device)
+            if n is not None:
+                column[0] = n
+            self._stamp_columns[key] = column
         return column
 
     def _check_same_pass(self, stamp: tuple, device: torch.device) -> None:
