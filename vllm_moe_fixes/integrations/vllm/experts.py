@@ -41,6 +41,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 )
 from vllm.platforms import current_platform
 
+from vllm_moe_fixes import envs
 from vllm_moe_fixes import fused_moe as ours
 from vllm_moe_fixes.fused_moe import kernel_checks
 from vllm_moe_fixes.integrations.vllm.support import (
@@ -72,6 +73,7 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     _ours: type
     batched: bool = False
     _needs_deep_gemm: bool = False
+    _tokens_per_pass: int | None = None  # of this call: workspace_shapes reads it, apply uses it
 
     def __init__(self, moe_config, quant_config, max_num_tokens=None,
                  num_dispatchers=None) -> None:
@@ -126,8 +128,11 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     # --- the call
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
                          expert_tokens_meta, activation):
-        """vLLM's N is w1's rows, 2I; ours take I."""
-        return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts)
+        """vLLM's N is w1's rows, 2I; ours take I. vLLM's kernel calls this, then apply, once
+        per call: VLLM_FUSED_MOE_CHUNK_SIZE is read here, once, and kept for that apply."""
+        self._tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
+        return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts,
+                                             tokens_per_pass=self._tokens_per_pass)
 
     def _apply_on_inputs_device(self, args: dict) -> None:
         """``apply(**args)`` in workspaces and an output on the inputs' device, then the output
@@ -190,10 +195,12 @@ class _ContiguousExperts(VllmExperts):
                 workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
                 apply_router_weight_on_input=apply_router_weight_on_input))
         self._check_weights(hidden_states, w1, w2)
-        self.experts.apply(output, hidden_states, a1q_scale, w1, w2, self.w1_scale,
-                           self.w2_scale, topk_ids, expert_map, "silu", workspace13, workspace2,
-                           None, topk_weights=None if apply_router_weight_on_input
-                           else topk_weights)
+        self.experts.apply(output, hidden_states, a1q_scale,
+                           ours.Fp8MoEWeights(w1, self.w1_scale, w2, self.w2_scale),
+                           workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
+                           expert_map=expert_map,
+                           topk_weights=None if apply_router_weight_on_input else topk_weights,
+                           tokens_per_pass=self._tokens_per_pass)
 
 
 class _BatchedExperts(VllmExperts):
@@ -227,9 +234,11 @@ class _BatchedExperts(VllmExperts):
         t = hidden_states.shape[1]
         expected_m = expected_rows_per_expert(self.max_num_tokens, self.num_dispatchers,
                                               topk_ids.shape[1], global_num_experts, t)
-        self.experts.apply(output, hidden_states, a1q_scale, w1, w2, self.w1_scale,
-                           self.w2_scale, topk_ids, expert_map, "silu", workspace13, workspace2,
-                           expert_tokens_meta.expert_num_tokens, expected_m=expected_m)
+        self.experts.apply(output, hidden_states, a1q_scale,
+                           ours.Fp8MoEWeights(w1, self.w1_scale, w2, self.w2_scale),
+                           workspace13=workspace13, workspace2=workspace2,
+                           expert_num_tokens=expert_tokens_meta.expert_num_tokens,
+                           expected_m=expected_m, tokens_per_pass=self._tokens_per_pass)
 
 
 class VllmTritonExperts(_ContiguousExperts):
