@@ -274,10 +274,6 @@ def test_prepare_finalize_arguments(kwargs, match):
                    torch.zeros(5, 1, dtype=torch.int64), 8, None, False)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29: the message is built in "
-                                       "_DeepEPPrepareAndFinalize.__init__ (fused_moe/"
-                                       "deepep_prepare_finalize.py), left to the fused_moe "
-                                       "restructure")
 @pytest.mark.parametrize("buffer", [TorchAll2AllBuffer.__new__(TorchAll2AllBuffer), object()],
                          ids=["v1_stand_in", "object"])
 def test_a_wrong_buffer_is_told_what_v2_takes(buffer):

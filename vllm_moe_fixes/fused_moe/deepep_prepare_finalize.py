@@ -139,11 +139,12 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
     the dispatch state kept from prepare to finalize."""
 
     _needs: tuple[str, ...] = ()  # buffer methods this mode calls
+    _buffer_kinds = "a deep_ep.Buffer or TorchAll2AllBuffer"  # what has them (the refusal says)
 
     def __init__(self, buffer, num_dispatchers: int) -> None:
         missing = [m for m in self._needs if not callable(getattr(buffer, m, None))]
         if missing:
-            raise ValueError(f"buffer must be a deep_ep.Buffer or TorchAll2AllBuffer (with "
+            raise ValueError(f"buffer must be {self._buffer_kinds} (with "
                              f"{', '.join(self._needs)}); got {type(buffer).__name__}")
         check_positive_int("num_dispatchers", num_dispatchers)
         group_size = buffer_rank_and_size(buffer)[1]
@@ -455,6 +456,8 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         topk_idx_dtype: the dtype V2 was built to take ids in (``deep_ep.topk_idx_t``: int64
             unless DeepEP was built with EP_NUM_TOPK_IDX_BITS=32).
     """
+
+    _buffer_kinds = "a deep_ep.ElasticBuffer (DeepEP V2) or its stand-in TorchElasticBuffer"
 
     activation_format = ActivationFormat.STANDARD
     _needs = ("dispatch", "combine", "get_buffer_size_hint")
