@@ -18,8 +18,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 
@@ -35,35 +33,6 @@ CHUNK = 32  # VLLM_FUSED_MOE_CHUNK_SIZE: the profile run's 2 x 64 tokens take se
 NEAR_TIE = 0.1  # largest top-2 log-prob gap at which a first differing token is accepted
 START_TIMEOUT_S = 420
 RECEIVED = re.compile(r"rank (\d) received (\d+) tokens .* workspaces (\d+) bytes, (\d+) pass")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT to the server's process group (vLLM shuts its processes down), SIGKILL if it
-    lingers."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _first_difference(ours: list[int], ref: dict) -> tuple[int, float] | None:
-    """(step, gap) at the first token that differs from the reference run's, gap = the
-    reference's log-prob of its token minus that of ours (inf where ours is not in its top 2);
-    None when all are equal."""
-    for step, (a, b) in enumerate(zip(ours, ref["tokens"])):
-        if a != b:
-            top = {int(t): lp for t, lp in ref["top_logprobs"][step].items()}
-            return step, top[b] - top.get(a, float("-inf"))
-    return None
 
 
 def test_data_parallel_2_expert_parallel_serves_through_our_all_to_all(tmp_path):
@@ -85,14 +54,14 @@ def test_data_parallel_2_expert_parallel_serves_through_our_all_to_all(tmp_path)
     assert one.returncode == 0, (one.stdout + one.stderr)[-5000:]
     reference = json.loads(ref_path.read_text())
 
-    port = _free_port()
+    port = dp_ep_serve.free_port()
     sizes = [f"--{k.replace('_', '-')}={v}" for k, v in dp_ep_serve.ENGINE_SIZES.items()]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log_file:
         server = subprocess.Popen(
             [sys.executable, SERVE, "serve", fp8, f"--port={port}", "--skip-tokenizer-init",
              "--dtype=bfloat16", *sizes, "--data-parallel-size=2", "--enable-expert-parallel",
-             f"--data-parallel-rpc-port={_free_port()}",
+             f"--data-parallel-rpc-port={dp_ep_serve.free_port()}",
              # fewer processes to start on 2 cores: one API server, workers inside the engines
              "--api-server-count=1", "--distributed-executor-backend=uni"],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -101,7 +70,7 @@ def test_data_parallel_2_expert_parallel_serves_through_our_all_to_all(tmp_path)
             got = dp_ep_serve.greedy_completions(port, fp8, dp_ep_serve.PROMPTS,
                                                  dp_ep_serve.MAX_TOKENS)
         finally:
-            _stop(server)
+            dp_ep_serve.stop_server(server)
     log = log_path.read_text()
 
     served = [line for line in log.splitlines()
@@ -110,7 +79,7 @@ def test_data_parallel_2_expert_parallel_serves_through_our_all_to_all(tmp_path)
     assert len(served) == 2 * LAYERS, log[-5000:]  # every layer of both ranks
 
     for prompt, ours, ref in zip(dp_ep_serve.PROMPTS, got, reference):
-        difference = _first_difference(ours["tokens"], ref)
+        difference = dp_ep_serve.first_difference(ours["tokens"], ref)
         print(f"prompt {prompt}: {ours['tokens']} vs one rank {ref['tokens']}, first "
               f"difference (step, top-2 gap) {difference}")
         assert difference is None or difference[1] <= NEAR_TIE, (prompt, ours, ref)

@@ -19,8 +19,6 @@ installed.
 import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 
@@ -35,35 +33,6 @@ SEED = 1
 NEAR_TIE = 0.1  # largest top-2 log-prob gap at which a first differing token is accepted
 START_TIMEOUT_S = 420
 SERVED = "runs vllm_moe_fixes VllmNoEPPrepareAndFinalize + VllmTritonExperts"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT to the server's process group (vLLM shuts its processes down), SIGKILL if it
-    lingers."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _first_difference(ours: list[int], ref: dict) -> tuple[int, float] | None:
-    """(step, gap) at the first token that differs from the reference run's, gap = the
-    reference's log-prob of its token minus that of ours (inf where ours is not in its top 2);
-    None when all are equal."""
-    for step, (a, b) in enumerate(zip(ours, ref["tokens"])):
-        if a != b:
-            top = {int(t): lp for t, lp in ref["top_logprobs"][step].items()}
-            return step, top[b] - top.get(a, float("-inf"))
-    return None
 
 
 def test_vllm_serve_tensor_parallel_2_expert_parallel_over_http(tmp_path):
@@ -84,7 +53,7 @@ def test_vllm_serve_tensor_parallel_2_expert_parallel_over_http(tmp_path):
     assert one.returncode == 0, (one.stdout + one.stderr)[-5000:]
     reference = json.loads(ref_path.read_text())
 
-    port = _free_port()
+    port = dp_ep_serve.free_port()
     sizes = [f"--{k.replace('_', '-')}={v}" for k, v in dp_ep_serve.ENGINE_SIZES.items()]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log_file:
@@ -98,7 +67,7 @@ def test_vllm_serve_tensor_parallel_2_expert_parallel_over_http(tmp_path):
             got = dp_ep_serve.greedy_completions(port, fp8, dp_ep_serve.PROMPTS,
                                                  dp_ep_serve.MAX_TOKENS)
         finally:
-            _stop(server)
+            dp_ep_serve.stop_server(server)
     log = log_path.read_text()
 
     served = [line for line in log.splitlines() if SERVED in line]
@@ -108,7 +77,7 @@ def test_vllm_serve_tensor_parallel_2_expert_parallel_over_http(tmp_path):
     assert log.count("Warming up done.") == 2, log[-5000:]
 
     for prompt, ours, ref in zip(dp_ep_serve.PROMPTS, got, reference):
-        difference = _first_difference(ours["tokens"], ref)
+        difference = dp_ep_serve.first_difference(ours["tokens"], ref)
         print(f"prompt {prompt}: {ours['tokens']} vs one rank {ref['tokens']}, first "
               f"difference (step, top-2 gap) {difference}")
         assert difference is None or difference[1] <= NEAR_TIE, (prompt, ours, ref)

