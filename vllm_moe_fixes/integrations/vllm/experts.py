@@ -134,6 +134,28 @@ class VllmExperts(mk.FusedMoEExpertsModular):
         return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts,
                                              tokens_per_pass=self._tokens_per_pass)
 
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input) -> None:
+        """vLLM's apply: on the inputs' device (below), the weights checked once per pair, then
+        the layout's own ``_apply_ours`` with the weights and their scales as one record."""
+        if workspace13.device != hidden_states.device:  # see _apply_on_inputs_device
+            return self._apply_on_inputs_device(dict(
+                output=output, hidden_states=hidden_states, w1=w1, w2=w2,
+                topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
+                global_num_experts=global_num_experts, expert_map=expert_map,
+                a1q_scale=a1q_scale, a2_scale=a2_scale, workspace13=workspace13,
+                workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
+                apply_router_weight_on_input=apply_router_weight_on_input))
+        self._check_weights(hidden_states, w1, w2)
+        self._apply_ours(output, hidden_states,
+                         ours.Fp8MoEWeights(w1, self.w1_scale, w2, self.w2_scale),
+                         topk_weights=topk_weights, topk_ids=topk_ids,
+                         global_num_experts=global_num_experts, expert_map=expert_map,
+                         a1q_scale=a1q_scale, workspace13=workspace13, workspace2=workspace2,
+                         expert_tokens_meta=expert_tokens_meta,
+                         apply_router_weight_on_input=apply_router_weight_on_input)
+
     def _apply_on_inputs_device(self, args: dict) -> None:
         """``apply(**args)`` in workspaces and an output on the inputs' device, then the output
         copied into vLLM's. vLLM's kernel takes workspaces from its WorkspaceManager on any
@@ -179,24 +201,14 @@ class _ContiguousExperts(VllmExperts):
     def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
         return TopKWeightAndReduceNoOP()
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-              expert_tokens_meta, apply_router_weight_on_input) -> None:
+    def _apply_ours(self, output, hidden_states, weights, topk_weights, topk_ids,
+                    global_num_experts, expert_map, a1q_scale, workspace13, workspace2,
+                    expert_tokens_meta, apply_router_weight_on_input) -> None:
         """output bf16 [M, K] <- sum over the k slots of weight * expert(hidden_states); slots
         whose expert is not local (expert_map -1, or id -1) add 0. hidden_states fp8 [M, K],
         a1q_scale f32 [M, K/128]; topk_ids int32/int64 [M, k] global ids; expert_map int32 [E]
         or None."""
-        if workspace13.device != hidden_states.device:  # see _apply_on_inputs_device
-            return self._apply_on_inputs_device(dict(
-                output=output, hidden_states=hidden_states, w1=w1, w2=w2,
-                topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
-                global_num_experts=global_num_experts, expert_map=expert_map,
-                a1q_scale=a1q_scale, a2_scale=a2_scale, workspace13=workspace13,
-                workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
-                apply_router_weight_on_input=apply_router_weight_on_input))
-        self._check_weights(hidden_states, w1, w2)
-        self.experts.apply(output, hidden_states, a1q_scale,
-                           ours.Fp8MoEWeights(w1, self.w1_scale, w2, self.w2_scale),
+        self.experts.apply(output, hidden_states, a1q_scale, weights,
                            workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
                            expert_map=expert_map,
                            topk_weights=None if apply_router_weight_on_input else topk_weights,
@@ -215,27 +227,17 @@ class _BatchedExperts(VllmExperts):
     def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
         return TopKWeightAndReduceDelegate()
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-              expert_tokens_meta, apply_router_weight_on_input) -> None:
+    def _apply_ours(self, output, hidden_states, weights, topk_weights, topk_ids,
+                    global_num_experts, expert_map, a1q_scale, workspace13, workspace2,
+                    expert_tokens_meta, apply_router_weight_on_input) -> None:
         """output bf16 [E_l, T, K] (valid rows written) from hidden_states fp8 [E_l, T, K],
         a1q_scale f32 [E_l, T, K/128] and expert_tokens_meta.expert_num_tokens int32 [E_l]."""
-        if workspace13.device != hidden_states.device:  # see _apply_on_inputs_device
-            return self._apply_on_inputs_device(dict(
-                output=output, hidden_states=hidden_states, w1=w1, w2=w2,
-                topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
-                global_num_experts=global_num_experts, expert_map=expert_map,
-                a1q_scale=a1q_scale, a2_scale=a2_scale, workspace13=workspace13,
-                workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
-                apply_router_weight_on_input=apply_router_weight_on_input))
-        self._check_weights(hidden_states, w1, w2)
         if expert_tokens_meta is None or expert_tokens_meta.expert_num_tokens is None:
             raise ValueError("batched experts need expert_tokens_meta.expert_num_tokens")
         t = hidden_states.shape[1]
         expected_m = expected_rows_per_expert(self.max_num_tokens, self.num_dispatchers,
                                               topk_ids.shape[1], global_num_experts, t)
-        self.experts.apply(output, hidden_states, a1q_scale,
-                           ours.Fp8MoEWeights(w1, self.w1_scale, w2, self.w2_scale),
+        self.experts.apply(output, hidden_states, a1q_scale, weights,
                            workspace13=workspace13, workspace2=workspace2,
                            expert_num_tokens=expert_tokens_meta.expert_num_tokens,
                            expected_m=expected_m, tokens_per_pass=self._tokens_per_pass)
