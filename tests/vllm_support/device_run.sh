@@ -3,12 +3,12 @@
 #
 #   bash tests/vllm_support/device_run.sh CARRY RESULTS_DIR [harness|ours|all]
 #
-# CARRY: the folder that ../shared/tools/vllm_device_bundle.sh built (vLLM 0.33.0's .py tree, the
-# tests of its sdist, the pure-Python wheels the image lacks); it is unpacked into /tmp/v033_site
-# and /tmp/v033_src. vLLM's compiled .so files are too large to carry: the stand-ins of
-# tests/vllm_support/stand_ins take their place for the ops these checks reach. `harness` runs step
-# 1 alone; `all` (the default) also steps 2 and 3, `ours` the same with our cases alone in step 1;
-# steps 2 and 3 need DeepEP and DeepGEMM from
+# CARRY: a folder holding vLLM 0.33.0's .py tree (vllm-*-python-only.tar.xz), the tests of its
+# sdist (vllm-*-tests.tar.xz) and the pure-Python wheels the image lacks (whl/); it is unpacked
+# into /tmp/v033_site and /tmp/v033_src. vLLM's compiled .so files are too large to carry: the
+# stand-ins of tests/vllm_support/stand_ins take their place for the ops these checks reach.
+# `harness` runs step 1 alone; `all` (the default) also steps 2 and 3, `ours` the same with our
+# cases alone in step 1; steps 2 and 3 need DeepEP and DeepGEMM from
 # benchmarks/device_build.sh. Writes RESULTS_DIR/vllm_*.log, vllm_harness_singlegpu_*.xml (JUnit,
 # one entry per case) and vllm_host_cost_*.json: copy what is kept into benchmarks/results/.
 set -uo pipefail
