@@ -24,7 +24,11 @@ import torch
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe import experts_steps as steps
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
-from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts, apply_in_graph
+from vllm_moe_fixes.fused_moe.interfaces import (
+    ActivationFormat,
+    Experts,
+    one_op_when_compiled,
+)
 from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, mn_major_scales_view
 from vllm_moe_fixes.sizes import batched_workspace_shapes
@@ -65,6 +69,7 @@ class BatchedExperts(Experts):
         slice, so tokens_per_pass is not read."""
         return batched_workspace_shapes(M, I, K, local_num_experts)
 
+    @one_op_when_compiled
     def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
               expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
               tokens_per_pass=None, activation="silu") -> None:
@@ -73,13 +78,6 @@ class BatchedExperts(Experts):
         expects on average (the masked GEMM's tiling hint), None = T. topk_ids, expert_map,
         topk_weights and tokens_per_pass are not needed: the combine after the experts weights
         and reduces, and every slice is one pass."""
-        if torch.compiler.is_compiling():  # one opaque op in the traced graph (interfaces)
-            apply_in_graph(self, output=output, a1q=a1q, a1q_scale=a1q_scale, weights=weights,
-                           workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
-                           expert_map=expert_map, expert_num_tokens=expert_num_tokens,
-                           topk_weights=topk_weights, expected_m=expected_m,
-                           tokens_per_pass=tokens_per_pass, activation=activation)
-            return
         if activation != "silu":  # (tests/test_ep_kernel.py calls apply directly)
             raise ValueError(f"activation must be 'silu', got {activation!r}")
         if expert_num_tokens is None:

@@ -45,7 +45,11 @@ import torch
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe import experts_steps as steps
 from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
-from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts, apply_in_graph
+from vllm_moe_fixes.fused_moe.interfaces import (
+    ActivationFormat,
+    Experts,
+    one_op_when_compiled,
+)
 from vllm_moe_fixes.fused_moe.workspaces import views_cached_on
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, mn_major_scales_view
 from vllm_moe_fixes.ops.permute import ContiguousLayout, carve_layout
@@ -125,6 +129,7 @@ class ContiguousExperts(Experts):
         one pass's workspaces (plus the [M, K] output in ws13 when there are several)."""
         return contiguous_workspace_shapes(M, I, K, topk, local_num_experts, tokens_per_pass)
 
+    @one_op_when_compiled
     def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
               expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
               tokens_per_pass=None, activation="silu") -> None:
@@ -133,13 +138,6 @@ class ContiguousExperts(Experts):
 
         M tokens are taken in passes of at most tokens_per_pass (module docstring; None: one
         pass); the workspaces are those workspace_shapes declares for M and the same bound."""
-        if torch.compiler.is_compiling():  # one opaque op in the traced graph (interfaces)
-            apply_in_graph(self, output=output, a1q=a1q, a1q_scale=a1q_scale, weights=weights,
-                           workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
-                           expert_map=expert_map, expert_num_tokens=expert_num_tokens,
-                           topk_weights=topk_weights, expected_m=expected_m,
-                           tokens_per_pass=tokens_per_pass, activation=activation)
-            return
         M = topk_ids.shape[0]
         shared = dict(weights=weights, expert_map=expert_map, workspace13=workspace13,
                       workspace2=workspace2)

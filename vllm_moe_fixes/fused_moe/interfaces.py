@@ -11,6 +11,7 @@ batched_experts.py).
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -141,7 +142,8 @@ class Experts(ABC):
 
     reduces_output: True when apply also weights and sums each token's k slots (STANDARD only):
     out_shape is then [M', K] and finalize gets output_is_reduced=True. Under torch.compile an
-    apply hands itself to `apply_in_graph` (end of this module), one opaque op in the graph.
+    apply decorated with `one_op_when_compiled` (end of this module) is one opaque op in the
+    graph.
     """
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
@@ -232,8 +234,24 @@ def _(experts, output, a1q, a1q_scale, w1, w1_scale, w2, w2_scale, workspace13, 
     return None  # writes its mutable arguments only
 
 
-def apply_in_graph(experts, *, weights: Fp8MoEWeights, **arguments) -> None:
-    """experts.apply(weights=weights, **arguments) as one call of the custom op (the comment
-    above); the weights record travels as its four tensors (an op's schema takes tensors)."""
-    cls = type(experts)
-    _experts_apply(f"{cls.__module__}:{cls.__qualname__}", **weights._asdict(), **arguments)
+def one_op_when_compiled(apply):
+    """Decorates an Experts.apply: while torch.compile traces it, the call becomes one call of
+    the custom op above (the weights record travels as its four tensors: an op's schema takes
+    tensors); otherwise ``apply`` runs as written."""
+
+    @functools.wraps(apply)
+    def apply_or_op(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2,
+                    topk_ids=None, expert_map=None, expert_num_tokens=None, topk_weights=None,
+                    expected_m=None, tokens_per_pass=None, activation="silu") -> None:
+        arguments = dict(workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
+                         expert_map=expert_map, expert_num_tokens=expert_num_tokens,
+                         topk_weights=topk_weights, expected_m=expected_m,
+                         tokens_per_pass=tokens_per_pass, activation=activation)
+        if not torch.compiler.is_compiling():
+            apply(self, output, a1q, a1q_scale, weights, **arguments)
+            return
+        cls = type(self)
+        _experts_apply(f"{cls.__module__}:{cls.__qualname__}", output, a1q, a1q_scale,
+                       **weights._asdict(), **arguments)
+
+    return apply_or_op
