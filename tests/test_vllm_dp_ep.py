@@ -15,10 +15,8 @@ About 2.5 minutes on 2 cores (the one-rank run 15-30 s, the server's start about
 """
 
 import importlib.util
-import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -27,7 +25,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed")
 
 SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_support")
-SERVE = os.path.join(SUPPORT, "dp_ep_serve.py")
 SEED = 1
 CHUNK = 32  # VLLM_FUSED_MOE_CHUNK_SIZE: the profile run's 2 x 64 tokens take several passes
 NEAR_TIE = 0.1  # largest top-2 log-prob gap at which a first differing token is accepted
@@ -47,31 +44,13 @@ def test_data_parallel_2_expert_parallel_serves_through_our_all_to_all(tmp_path)
     env.update(VLLM_MOE_FIXES="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_DISABLE_COMPILE_CACHE="1",
                VLLM_FUSED_MOE_CHUNK_SIZE=str(CHUNK))
 
-    ref_path = tmp_path / "one_rank.json"
-    one = subprocess.run([sys.executable, SERVE, "one-rank", str(ref_path), fp8],
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-    assert one.returncode == 0, (one.stdout + one.stderr)[-5000:]
-    reference = json.loads(ref_path.read_text())
-
-    port = dp_ep_serve.free_port()
-    sizes = [f"--{k.replace('_', '-')}={v}" for k, v in dp_ep_serve.ENGINE_SIZES.items()]
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log_file:
-        server = subprocess.Popen(
-            [sys.executable, SERVE, "serve", fp8, f"--port={port}", "--skip-tokenizer-init",
-             "--dtype=bfloat16", *sizes, "--data-parallel-size=2", "--enable-expert-parallel",
-             f"--data-parallel-rpc-port={dp_ep_serve.free_port()}",
-             # fewer processes to start on 2 cores: one API server, workers inside the engines
-             "--api-server-count=1", "--distributed-executor-backend=uni"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            dp_ep_serve.wait_until_ready(port, server, START_TIMEOUT_S)
-            got = dp_ep_serve.greedy_completions(port, fp8, dp_ep_serve.PROMPTS,
-                                                 dp_ep_serve.MAX_TOKENS)
-        finally:
-            dp_ep_serve.stop_server(server)
-    log = log_path.read_text()
+    reference = dp_ep_serve.one_rank_reference(fp8, str(tmp_path / "one_rank.json"), env)
+    options = ["--data-parallel-size=2", "--enable-expert-parallel",
+               f"--data-parallel-rpc-port={dp_ep_serve.free_port()}",
+               # fewer processes to start on 2 cores: one API server, workers inside the engines
+               "--api-server-count=1", "--distributed-executor-backend=uni"]
+    got, log = dp_ep_serve.serve_and_complete(fp8, options, env, str(tmp_path / "serve.log"),
+                                              START_TIMEOUT_S)
 
     served = [line for line in log.splitlines()
               if "runs vllm_moe_fixes VllmDeepEPHTPrepareAndFinalize + VllmTritonExperts"

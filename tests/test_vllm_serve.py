@@ -17,9 +17,7 @@ installed.
 """
 
 import importlib.util
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -28,7 +26,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed")
 
 SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_support")
-SERVE = os.path.join(SUPPORT, "dp_ep_serve.py")
 SEED = 1
 NEAR_TIE = 0.1  # largest top-2 log-prob gap at which a first differing token is accepted
 START_TIMEOUT_S = 420
@@ -46,29 +43,10 @@ def test_vllm_serve_tensor_parallel_2_expert_parallel_over_http(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(VLLM_MOE_FIXES="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_DISABLE_COMPILE_CACHE="1")
 
-    ref_path = tmp_path / "one_rank.json"
-    one = subprocess.run([sys.executable, SERVE, "one-rank", str(ref_path), fp8],
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-    assert one.returncode == 0, (one.stdout + one.stderr)[-5000:]
-    reference = json.loads(ref_path.read_text())
-
-    port = dp_ep_serve.free_port()
-    sizes = [f"--{k.replace('_', '-')}={v}" for k, v in dp_ep_serve.ENGINE_SIZES.items()]
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log_file:
-        server = subprocess.Popen(
-            [sys.executable, SERVE, "serve", fp8, f"--port={port}", "--skip-tokenizer-init",
-             "--dtype=bfloat16", *sizes, "--tensor-parallel-size=2", "--enable-expert-parallel"],
-            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            env=dict(env, VLLM_CPU_OMP_THREADS_BIND="0|1"))
-        try:
-            dp_ep_serve.wait_until_ready(port, server, START_TIMEOUT_S)
-            got = dp_ep_serve.greedy_completions(port, fp8, dp_ep_serve.PROMPTS,
-                                                 dp_ep_serve.MAX_TOKENS)
-        finally:
-            dp_ep_serve.stop_server(server)
-    log = log_path.read_text()
+    reference = dp_ep_serve.one_rank_reference(fp8, str(tmp_path / "one_rank.json"), env)
+    got, log = dp_ep_serve.serve_and_complete(
+        fp8, ["--tensor-parallel-size=2", "--enable-expert-parallel"],
+        dict(env, VLLM_CPU_OMP_THREADS_BIND="0|1"), str(tmp_path / "serve.log"), START_TIMEOUT_S)
 
     served = [line for line in log.splitlines() if SERVED in line]
     assert len(served) == 2 * LAYERS, log[-5000:]  # every layer of both ranks

