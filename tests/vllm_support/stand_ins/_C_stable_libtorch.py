@@ -8,9 +8,17 @@ fp8_max scales, optionally rounded up to powers of two); ``silu_and_mul`` (the h
 * up in float32, then that quantisation); and the CUTLASS capability queries asked at import (all
 answer False, so vLLM never picks a CUTLASS kernel). The schemas take the arguments in the order
 vLLM 0.33's ``_custom_ops`` passes them.
+
+``persistent_masked_m_silu_mul_quant`` (vLLM's BatchedDeepGemmExperts between its two masked
+GEMMs) is not plain torch: on CUDA it runs this library's fused Triton kernel
+(``silu_and_mul_quant_fp8_triton``, the launcher our own batched experts call), whose numbers
+are the op's recipe (see _persistent_masked_m_silu_mul_quant), so a benchmark of vLLM's LL path
+pays one cached Triton launch for this op, as ours does, instead of a slow torch composition.
 """
 
 import torch
+
+from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_triton
 
 _LIB = torch.library.Library("_C", "DEF")
 
@@ -54,9 +62,32 @@ def _silu_and_mul_per_block_quant(out, x, scales, group_size, scale_ub, _transpo
                                fp8_max, False, False, False)
 
 
+_LIB.define("persistent_masked_m_silu_mul_quant(Tensor input, Tensor counts, Tensor(a!) y_q, "
+            "Tensor(b!) y_s, bool use_ue8m0) -> ()")
+
+
+def _persistent_masked_m_silu_mul_quant(x, counts, y_q, y_s, use_ue8m0):
+    """x bf16 [E, T, 2H] (gate | up), counts int32 [E]: for the rows t < counts[e] of each
+    expert, y_q fp8 [E, T, H] and y_s float32 [E, T, H/128] (any strides; vLLM passes MN-major
+    ones) get SiLU(gate) rounded to bf16, times up rounded to bf16, quantised per 1x128 group
+    with scale max(amax, 1e-10) / 448 (use_ue8m0: floored at 1e-10, then rounded up to a power
+    of two); other rows are left alone. That is the rounding of vLLM 0.33's own reference for
+    this op (tests/kernels/moe/test_silu_mul_fp8_quant_deep_gemm.py), except that the scale is
+    computed in float32 where that reference rounds it through bf16 (vLLM's test compares with
+    float32 tolerances), and that reference has no ue8m0 floor (a group below 4.5e-8, all zeros
+    in practice, gets a smaller power of two there; its values are 0 either way). H200 runs take
+    use_ue8m0=False. CUDA: our fused Triton kernel; CPU: our torch references composed."""
+    if x.is_cuda:
+        silu_and_mul_quant_fp8_triton(x, y_q, y_s, counts, use_ue8m0)
+    else:
+        silu_and_mul_quant_fp8(x, out_q=y_q, out_s=y_s, expert_num_tokens=counts,
+                               use_ue8m0=use_ue8m0)
+
+
 for _name, _fn in (("per_token_group_fp8_quant", _per_token_group_fp8_quant),
                    ("silu_and_mul", _silu_and_mul),
-                   ("silu_and_mul_per_block_quant", _silu_and_mul_per_block_quant)):
+                   ("silu_and_mul_per_block_quant", _silu_and_mul_per_block_quant),
+                   ("persistent_masked_m_silu_mul_quant", _persistent_masked_m_silu_mul_quant)):
     for _device in ("CUDA", "CPU"):
         _LIB.impl(_name, _fn, _device)
 
