@@ -96,6 +96,16 @@ def test_layout_ref_invariants(M, k, E, use_map, neg):
     padding = lay.m_indices < 0
     assert int((~padding).sum()) == int(is_local.sum())
     assert lay.src_row[padding].eq(-1).all() and lay.src_row[~padding].ge(0).all()
+    # expert_ends: DeepGEMM's psum layout, expert e's rows are [align128(end[e-1]), end[e]).
+    ends = lay.expert_ends.long()
+    assert lay.expert_ends.dtype == torch.int32 and ends.shape == (local_num_experts,)
+    start = 0
+    for e in range(local_num_experts):
+        count = int((local == e).sum())
+        assert int(ends[e]) == start + count
+        assert lay.m_indices[start:start + count].eq(e).all()
+        start = -(-int(ends[e]) // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    assert lay.m_indices[start:].eq(-1).all()  # nothing past the last expert's rows
 
 
 def _check_layout_kernels(ids, local_num_experts, emap):
@@ -108,7 +118,7 @@ def _check_layout_kernels(ids, local_num_experts, emap):
     build_contiguous_layout_triton(ids, local_num_experts, emap, lay, counts)
     ref = build_contiguous_layout_ref(ids.cpu(), local_num_experts,
                                       None if emap is None else emap.cpu())
-    for name in ("m_indices", "src_row", "dest"):
+    for name in ("m_indices", "src_row", "dest", "expert_ends"):
         assert torch.equal(getattr(lay, name).cpu(), getattr(ref, name)), name
     assert buf[-64:].eq(POISON).all()  # nothing past the declared size
 

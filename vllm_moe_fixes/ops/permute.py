@@ -4,8 +4,9 @@ The contiguous grouped GEMM (DeepGEMM's `m_grouped_fp8_gemm_nt_contiguous`, or o
 wants the rows of each local expert next to each other, every expert's segment starting at a
 multiple of ROW_ALIGNMENT = 128 rows (vllm_moe_fixes.sizes), and an int32 `m_indices` naming the
 expert of every row (-1 for padding). With M tokens routed to k experts each there are M*k
-slots; slot s = m*k + j is token m's j-th choice. A slot whose expert is not on this rank (id -1, expert_map gives -1, or an id out of
-range) gets no row: it contributes nothing to its token (DeepEP's contract for id -1).
+slots; slot s = m*k + j is token m's j-th choice. A slot whose expert is not on this rank (id -1,
+expert_map gives -1, or an id out of range) gets no row: it contributes nothing to its token
+(DeepEP's contract for id -1).
 
 Sizes. Expert e with c_e slots takes round_up(c_e, 128) <= c_e + 127 rows, so all segments fit in
 
@@ -16,8 +17,8 @@ padding too. Within an expert, slots keep token order, so the layout is determin
 
 Three steps, each one Triton launch on CUDA (torch references on CPU and in the tests):
 
-    build_contiguous_layout   topk_ids [M, k] -> m_indices, src_row, dest (two kernels, no sort,
-                              no host synchronisation: safe under CUDA graphs)
+    build_contiguous_layout   topk_ids [M, k] -> m_indices, src_row, dest, expert_ends (two
+                              kernels, no sort, no host synchronisation: safe under CUDA graphs)
     permute_rows              a1q [M, K] fp8 + scales -> [M_sum, K] fp8 + MN-major scales
     unpermute_reduce          GEMM2's out [M_sum, K] -> [M, K]: each token's k rows, weighted,
                               summed in float32 in slot order (the [M, k, K] tensor is never built)
@@ -29,10 +30,10 @@ starts by a cumulative sum) and over the earlier chunks (its slots' offset insid
 ranks its slots within the chunk by a cumulative sum of the one-hot matrix, and writes dest,
 src_row and m_indices of its slots' rows. Up to SINGLE_PROGRAM_SLOTS slots (decode) there is one
 chunk, whose program counts its own slots: kernel 1 is not launched. Padding rows are written by
-one program each: the up to 127 rows closing expert e's segment by program e % n_chunks, the tail
-after the last segment in a grid-strided loop. Every row is written exactly once. Each program
-loads n_chunks * E_l counts; CHUNK grows with the slot count so that n_chunks stays near 256 or
-below.
+one program each: the up to 127 rows closing expert e's segment by program e % n_chunks (which
+also writes expert_ends[e]), the tail after the last segment in a grid-strided loop. Every row
+is written exactly once. Each program loads n_chunks * E_l counts; CHUNK grows with the slot
+count so that n_chunks stays near 256 or below.
 """
 
 from __future__ import annotations
@@ -60,11 +61,16 @@ class ContiguousLayout:
     m_indices: [M_sum], local expert of each row, -1 on padding rows.
     src_row: [M_sum], token whose activations each row holds, -1 on padding rows.
     dest: [M*k], row of each slot, -1 for slots that have no row (not local).
+    expert_ends: [E_l], first row after expert e's slots (its segment start + its slot count):
+        DeepGEMM's "psum" grouped layout, where expert e's rows are [align128(expert_ends[e-1]),
+        expert_ends[e]) and no row past the last expert's slots exists for the GEMM. None in
+        layouts built by hand for the permute alone.
     """
 
     m_indices: torch.Tensor
     src_row: torch.Tensor
     dest: torch.Tensor
+    expert_ends: torch.Tensor | None = None
 
 
 SINGLE_PROGRAM_SLOTS = 2048  # up to this many slots, one program builds the whole layout
@@ -85,10 +91,11 @@ def layout_num_chunks(num_slots: int, local_num_experts: int) -> int:
 
 
 def layout_index_numel(num_slots: int, local_num_experts: int) -> int:
-    """int32 elements of a layout's index vectors: m_indices + src_row + dest + counts."""
+    """int32 elements of a layout's index vectors: m_indices + src_row + dest + expert_ends +
+    counts (at most 4 * M_sum: M*k + E_l <= M_sum, and counts hold at most M*k + E_l)."""
     m_sum = contiguous_num_rows(num_slots, local_num_experts)
-    return 2 * m_sum + num_slots + layout_num_chunks(num_slots, local_num_experts) * \
-        local_num_experts
+    return 2 * m_sum + num_slots + local_num_experts + \
+        layout_num_chunks(num_slots, local_num_experts) * local_num_experts
 
 
 def carve_layout(buf: torch.Tensor, num_slots: int,
@@ -96,8 +103,10 @@ def carve_layout(buf: torch.Tensor, num_slots: int,
     """(layout, counts) as views of the int32 vector `buf` (>= layout_index_numel elements)."""
     m_sum = contiguous_num_rows(num_slots, local_num_experts)
     n_counts = layout_num_chunks(num_slots, local_num_experts) * local_num_experts
-    parts = buf[:2 * m_sum + num_slots + n_counts].split([m_sum, m_sum, num_slots, n_counts])
-    return ContiguousLayout(m_indices=parts[0], src_row=parts[1], dest=parts[2]), parts[3]
+    sizes = [m_sum, m_sum, num_slots, local_num_experts, n_counts]
+    parts = buf[:sum(sizes)].split(sizes)
+    return ContiguousLayout(m_indices=parts[0], src_row=parts[1], dest=parts[2],
+                            expert_ends=parts[3]), parts[4]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,8 +142,8 @@ def _layout_count_kernel(ids_ptr, map_ptr, counts_ptr, num_slots, k, stride_m, s
 
 
 @triton.jit
-def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, dest_ptr, num_slots,
-                           k, stride_m, stride_k, E, local_num_experts, n_chunks, M_sum,
+def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, dest_ptr, ends_ptr,
+                           num_slots, k, stride_m, stride_k, E, local_num_experts, n_chunks, M_sum,
                            HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
                            BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                            COUNT_HERE: tl.constexpr, ROW_ALIGNMENT: tl.constexpr):
@@ -169,9 +178,10 @@ def _layout_scatter_kernel(ids_ptr, map_ptr, counts_ptr, m_idx_ptr, src_ptr, des
         # dest = segment start + earlier chunks' slots + rank within this chunk - 1.
         dest += tl.sum(tl.where(hits, (start + before)[None, :] + rank, 0), axis=1)
         # The padding closing each segment: rows [start + total, start + padded) of the experts
-        # this program owns (e % n_chunks == c).
+        # this program owns (e % n_chunks == c), and their segments' ends.
         rows = (start + total)[:, None] + pad[None, :]
         owned = (e % n_chunks == c) & (e < local_num_experts)
+        tl.store(ends_ptr + e, start + total, mask=owned)
         mine = owned[:, None] & (pad[None, :] < (padded - total)[:, None])
         tl.store(m_idx_ptr + rows, tl.full([BLOCK_E, ROW_ALIGNMENT], -1, tl.int32), mask=mine)
         tl.store(src_ptr + rows, tl.full([BLOCK_E, ROW_ALIGNMENT], -1, tl.int32), mask=mine)
@@ -216,7 +226,7 @@ def build_contiguous_layout_triton(topk_ids: torch.Tensor, local_num_experts: in
         _layout_count_kernel[(n_chunks,)](*common, *args, HAS_MAP=has_map, CHUNK=chunk,
                                           BLOCK_E=block_e, num_warps=num_warps)
     _layout_scatter_kernel[(n_chunks,)](
-        *common, layout.m_indices, layout.src_row, layout.dest, *args, n_chunks,
+        *common, layout.m_indices, layout.src_row, layout.dest, layout.expert_ends, *args, n_chunks,
         layout.m_indices.shape[0], HAS_MAP=has_map, CHUNK=chunk, BLOCK_E=block_e,
         BLOCK_C=block_c, BLOCK_R=1024, COUNT_HERE=n_chunks == 1, ROW_ALIGNMENT=ROW_ALIGNMENT,
         num_warps=num_warps)
@@ -262,7 +272,8 @@ def build_contiguous_layout_ref(topk_ids: torch.Tensor, local_num_experts: int,
     m_indices[dest[used]] = local[used].to(torch.int32)
     src_row = torch.full((m_sum,), -1, dtype=torch.int32, device=dev)
     src_row[dest[used]] = (torch.arange(num_slots, device=dev)[used] // k).to(torch.int32)
-    return ContiguousLayout(m_indices=m_indices, src_row=src_row, dest=dest.to(torch.int32))
+    return ContiguousLayout(m_indices=m_indices, src_row=src_row, dest=dest.to(torch.int32),
+                            expert_ends=(seg_start + counts).to(torch.int32))
 
 
 def check_routing_ranges(topk_ids: torch.Tensor, num_experts: int,
@@ -296,7 +307,7 @@ def build_contiguous_layout_into(topk_ids: torch.Tensor, local_num_experts: int,
     E = local_num_experts if expert_map is None else expert_map.shape[0]
     check_routing_ranges(topk_ids, E, expert_map, local_num_experts)
     ref = build_contiguous_layout_ref(topk_ids, local_num_experts, expert_map)
-    for name in ("m_indices", "src_row", "dest"):
+    for name in ("m_indices", "src_row", "dest", "expert_ends"):
         getattr(layout, name).copy_(getattr(ref, name))
 
 
@@ -315,9 +326,10 @@ def build_contiguous_layout(topk_ids: torch.Tensor, local_num_experts: int,
             entry.
 
     Returns a ContiguousLayout for M_sum = contiguous_num_rows(M*k, E_l): dest int32 [M*k],
-    m_indices and src_row int32 [M_sum]. CUDA tensors run the two layout kernels without a host
-    synchronisation (ids are not range-checked there: out-of-range ids get no row); CPU tensors
-    run the torch reference after a range check (ValueError naming the entry).
+    m_indices and src_row int32 [M_sum], expert_ends int32 [E_l]. CUDA tensors run the two layout
+    kernels without a host synchronisation (ids are not range-checked there: out-of-range ids get
+    no row); CPU tensors run the torch reference after a range check (ValueError naming the
+    entry).
     """
     _check(isinstance(topk_ids, torch.Tensor) and topk_ids.dtype in _INDEX_DTYPES
            and topk_ids.dim() == 2, f"topk_ids must be an int32/int64 [M, k] tensor, got "
