@@ -2,6 +2,8 @@
 workspaces, a fake DeepGEMM through the compatibility module, every Triton launcher of the path
 under the interpreter; GPU: the real DeepGEMM."""
 
+import types
+
 import pytest
 import torch
 from _layer import (
@@ -23,6 +25,8 @@ from vllm_moe_fixes.fused_moe.contiguous_experts import (
 )
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous_ref
+from vllm_moe_fixes.sizes import ROW_ALIGNMENT
 from vllm_moe_fixes.testing import calc_diff
 
 
@@ -80,6 +84,86 @@ def test_triton_path_under_interpreter(monkeypatch, kernel_device):
     check_close(got, reference(p))
 
 
+def _fake_psum_deep_gemm(monkeypatch):
+    """A fake DeepGEMM whose contiguous GEMM also takes use_psum_layout, as v2.6.1's does: in
+    that form it computes the rows [align128(ends[e-1]), ends[e]) of each expert and writes no
+    other row (DeepGEMM skips the blocks past an expert's rows). Returns its call log."""
+    calls = []
+
+    def contiguous(a, b, d, layout, disable_ue8m0_cast=False, use_psum_layout=False):
+        calls.append((use_psum_layout, layout.clone()))
+        m_indices = layout
+        if use_psum_layout:
+            m_indices = torch.full((d.shape[0],), -1, dtype=torch.int32)
+            start = 0
+            for e, end in enumerate(layout.tolist()):
+                m_indices[start:end] = e
+                start = -(-end // ROW_ALIGNMENT) * ROW_ALIGNMENT
+        rows = m_indices >= 0
+        part = torch.empty(int(rows.sum()), d.shape[1], dtype=d.dtype)
+        grouped_fp8_gemm_contiguous_ref((a[0][rows], a[1][rows]), b, part, m_indices[rows])
+        d[rows] = part
+
+    mod = types.SimpleNamespace(get_m_alignment_for_contiguous_layout=lambda: ROW_ALIGNMENT,
+                                m_grouped_fp8_gemm_nt_contiguous=contiguous)
+    monkeypatch.setattr(compat, "_API", compat.resolve(mod))
+    return calls
+
+
+def test_deep_gemm_experts_hand_deep_gemm_the_psum_layout(monkeypatch):
+    """Where DeepGEMM takes use_psum_layout, both GEMMs get expert_ends (the layout's segment
+    ends, [E_l] int32) instead of m_indices; with NaN workspaces (rows the GEMMs leave unwritten
+    stay NaN) the output equals the m_indices path's, bit for bit, and non-local tokens are 0."""
+    calls = _fake_psum_deep_gemm(monkeypatch)
+    E, k, M = 8, 3, 45
+    p = make_problem(M, k, E, 128, 256, local=[0, 3, 5, 6], seed=21)
+    p["topk_ids"][0] = torch.tensor([1, 2, 4])  # token 0: no local expert
+    kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), DeepGemmExperts())
+    ws13, ws2, _ = DeepGemmExperts().workspace_shapes(M, 128, 256, k, 4)
+    kernel.workspaces.get(ws13, ws2, torch.device("cpu"), torch.bfloat16)
+    kernel.workspaces.ws13.fill_(float("nan"))
+    kernel.workspaces.ws2.fill_(float("nan"))
+    out = run(kernel, p, E)
+    assert [c[0] for c in calls] == [True, True]
+    ends = calls[0][1]
+    assert ends.dtype == torch.int32 and ends.shape == (4,)
+    local = p["expert_map"][p["topk_ids"]].flatten()
+    counts = torch.bincount(local[local >= 0].long(), minlength=4)
+    padded = -(-counts // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    assert torch.equal(ends.long(), torch.cumsum(padded, 0) - padded + counts)
+    assert out[0].eq(0).all()
+    fake_deep_gemm(monkeypatch)  # the m_indices form only
+    assert torch.equal(out, run(new_kernel(DeepGemmExperts()), p, E))
+
+
+@pytest.mark.parametrize("tokens_per_pass", [None, 7])
+@pytest.mark.parametrize("launchers", ["reference", "triton"])
+def test_deferred_input_quant_same_bits(tokens_per_pass, launchers, monkeypatch):
+    """NoEP with defer_input_quant hands the experts bf16 a1 (no scales) and the experts quantise
+    it into the permuted rows: the layer's output is bit for bit that of the quantising prepare,
+    in one pass and in passes (VLLM_FUSED_MOE_CHUNK_SIZE below M), with every step's torch
+    reference and with every Triton launcher (interpreted)."""
+    if tokens_per_pass is not None:
+        monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", str(tokens_per_pass))
+    if launchers == "triton":
+        force_triton_launchers(monkeypatch)
+    p = make_problem(19, 3, 6, 128, 384, local=[0, 2, 3, 5], seed=4)
+    p["hidden_states"][2, 7] = float("nan")  # the quant's NaN rule, in both places
+    pf = RecordingNoEP()
+    deferred = NoEPPrepareAndFinalize(defer_input_quant=True)
+    seen = {}
+    original = TritonExperts.apply
+
+    def recording_apply(self, output, a1q, a1q_scale, weights, **kw):
+        seen["a1q"], seen["scale"] = a1q.dtype, a1q_scale
+        original(self, output, a1q, a1q_scale, weights, **kw)
+    out_quantised = run(FusedMoEModularKernel(pf, TritonExperts()), p, 6)
+    monkeypatch.setattr(TritonExperts, "apply", recording_apply)
+    out_deferred = run(FusedMoEModularKernel(deferred, TritonExperts()), p, 6)
+    assert seen == {"a1q": torch.bfloat16, "scale": None}
+    assert torch.equal(out_deferred, out_quantised) and torch.isfinite(out_deferred).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.deep_gemm
 @pytest.mark.parametrize("E,k,M,I,K,use_map", [(8, 8, 512, 2048, 7168, False),
@@ -106,3 +190,23 @@ def test_gpu_deep_gemm_experts(E, k, M, I, K, use_map, monkeypatch):
         assert out[0].eq(0).all()
     triton_out = run(new_kernel(), p, E)
     assert calc_diff(out, triton_out) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.deep_gemm
+@pytest.mark.parametrize("M", [3, 1024])
+def test_gpu_deep_gemm_psum_layout_and_deferred_quant(M, monkeypatch):
+    """The real DeepGEMM at DeepSeek's shapes (K 7168, I 2048, top-8 of 8): the deferred quant
+    gives the quantising prepare's bits; the psum layout (what DeepGemmExperts hands v2.6.1) and
+    the m_indices layout agree on every token."""
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")
+    p = make_problem(M, 8, 8, 2048, 7168, device="cuda", seed=M)
+    deferred = run(FusedMoEModularKernel(NoEPPrepareAndFinalize(defer_input_quant=True),
+                                         DeepGemmExperts()), p, 8)
+    quantised = run(FusedMoEModularKernel(NoEPPrepareAndFinalize(), DeepGemmExperts()), p, 8)
+    assert torch.equal(deferred, quantised)
+    assert compat._takes_psum_layout(compat._API.contiguous)  # v2.6.1 takes it
+    monkeypatch.setattr(compat, "_takes_psum_layout", lambda fn: False)
+    m_indices_form = run(FusedMoEModularKernel(NoEPPrepareAndFinalize(), DeepGemmExperts()), p, 8)
+    assert calc_diff(quantised, m_indices_form) < 1e-6
+    check_close(quantised, reference(p))

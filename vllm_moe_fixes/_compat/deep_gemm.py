@@ -131,17 +131,49 @@ def require(what: str = "DeepGemmExperts") -> SimpleNamespace:
     return api
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices) -> None:
+@functools.cache
+def _takes_psum_layout(contiguous: Any) -> bool:
+    """Whether this build's contiguous GEMM takes use_psum_layout (DeepGEMM v2.x, 2025-10 on)."""
+    return _takes_kwarg(contiguous, "use_psum_layout")
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices, expert_ends=None) -> None:
     """DeepGEMM's contiguous grouped FP8 GEMM: out[i] = a[i] @ b[m_indices[i]]^T.
 
     a: (float8_e4m3fn [M_sum, K], float32 [M_sum, K/128] MN-major TMA-aligned scales);
     b: (float8_e4m3fn [E, N, K], float32 [E, N/128, K/128]); out: bf16 [M_sum, N] (written);
     m_indices: int32 [M_sum], -1 on padding rows (undefined output there).
+    expert_ends: optional int32 [E], the same layout as psum ends (expert e's rows are
+    [align128(expert_ends[e-1]), expert_ends[e])). Given, and where the build takes
+    use_psum_layout, DeepGEMM gets that form: it then schedules only the 128-row blocks that hold
+    rows, where with m_indices it loads A and B for every block of M_sum (padding blocks
+    included). Output rows outside the experts' rows are undefined either way.
     """
     api = _api("DeepGemmExperts")
     check_device("DeepGemmExperts", a[0].device)
     kwargs = {"disable_ue8m0_cast": True} if api.contiguous_ue8m0_kwarg else {}
-    api.contiguous(a, b, out, m_indices, **kwargs)
+    if expert_ends is not None and _takes_psum_layout(api.contiguous):
+        api.contiguous(a, b, out, expert_ends, use_psum_layout=True, **kwargs)
+    else:
+        api.contiguous(a, b, out, m_indices, **kwargs)
+
+
+# device -> (the resolved API, the keywords to pass) where the masked GEMM's checks
+# (_masked_call_on) have passed for that API: a decode step calls the GEMM twice per layer, and
+# the checks cost host time; the API and a device's architecture do not change in a process.
+_MASKED_READY: dict = {}
+
+
+def _masked_call_on(device) -> tuple:
+    """(the resolved API, the keywords of its masked GEMM call) for operands on `device` (a
+    torch.device), after the checks of m_grouped_fp8_gemm_nt_masked."""
+    api = _api("BatchedDeepGemmExperts")
+    if api.masked is None:
+        raise RuntimeError("this DeepGEMM build has no masked grouped FP8 GEMM under a known name")
+    check_device("BatchedDeepGemmExperts", device)
+    ready = _MASKED_READY[device] = (
+        api, {"disable_ue8m0_cast": True} if api.masked_ue8m0_kwarg else {})
+    return ready
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, out, masked_m, expected_m: int) -> None:
@@ -149,13 +181,15 @@ def m_grouped_fp8_gemm_nt_masked(a, b, out, masked_m, expected_m: int) -> None:
 
     a: (float8_e4m3fn [E, T, K], float32 [E, T, K/128] MN-major per expert); b as above;
     out: bf16 [E, T, N]; masked_m: int32 [E]; expected_m: typical rows per expert (tiling hint).
+
+    MissingLibraryError without DeepGEMM, RuntimeError without a masked GEMM in the build or on a
+    GPU other than SM90 (checked at the first call on each device).
     """
-    api = _api("BatchedDeepGemmExperts")
-    if api.masked is None:
-        raise RuntimeError("this DeepGEMM build has no masked grouped FP8 GEMM under a known name")
-    check_device("BatchedDeepGemmExperts", a[0].device)
-    kwargs = {"disable_ue8m0_cast": True} if api.masked_ue8m0_kwarg else {}
-    api.masked(a, b, out, masked_m, expected_m, **kwargs)
+    device = a[0].device
+    ready = _MASKED_READY.get(device)
+    if ready is None or ready[0] is not _API:
+        ready = _masked_call_on(device)
+    ready[0].masked(a, b, out, masked_m, expected_m, **ready[1])
 
 
 def get_m_alignment_for_contiguous_layout() -> int:

@@ -6,6 +6,7 @@ five launches besides the two GEMMs:
     step                      reads                    writes (inside the two workspaces)
     layout (1 or 2 kernels)   topk_ids [M, k]          int32 index vectors       (tail of ws2)
     permute a1q               a1q [M, K] fp8           A  fp8 [M_sum, K] + scales  (ws13 bytes)
+      or quant + permute      a1 [M, K] bf16           the same A (prepare deferred its quant)
     GEMM1 (w1)                A                        H  bf16 [M_sum, 2I]         (ws2)
     silu_and_mul + requant    H                        G' fp8 [M_sum, I] + scales  (ws13 bytes)
     GEMM2 (w2)                G'                       Y  bf16 [M_sum, K]          (ws2)
@@ -32,6 +33,20 @@ fit in one pass, apply is the one pass it was.
 
 The experts reduce (`reduces_output`): the un-permute reads each token's k rows of Y through the
 layout and sums them with the router weights, so finalize receives [M, K].
+
+Unquantised input (`takes_unquantized_input`): apply also takes a1q bf16 [M, K] with a1q_scale
+None, from a prepare that leaves the quant to the experts (NoEPPrepareAndFinalize with
+defer_input_quant=True). The permute step then quantises each token row once and writes it to
+its k rows (ops/quant_permute.py): one kernel instead of the prepare's quant and the permute, and
+the same bits.
+
+The GEMMs get the layout twice: m_indices (a row's expert, -1 on padding) and expert_ends (each
+expert's last row + 1, DeepGEMM's psum layout). DeepGEMM's SM90 kernel loads A, its scales and B
+for every 128-row block of M_sum it is given in the m_indices form, padding blocks included (it
+only skips their math); in the psum form its scheduler visits only the blocks that hold slots, so
+DeepGemmExperts passes expert_ends where the build takes use_psum_layout (as vLLM's own
+DeepGemmExperts does on SM90). Padding rows of H and Y may then hold anything (blocks past an
+expert's slots are not written); nothing reads them (the un-permute reads slots' rows only).
 """
 
 from __future__ import annotations
@@ -118,11 +133,15 @@ class ContiguousExperts(Experts):
 
     activation_format = ActivationFormat.STANDARD
     reduces_output = True
+    takes_unquantized_input = True  # apply takes bf16 a1q with a1q_scale None (module docstring)
 
     @abstractmethod
     def gemm(self, a: tuple[torch.Tensor, torch.Tensor], w: tuple[torch.Tensor, torch.Tensor],
-             out: torch.Tensor, m_indices: torch.Tensor) -> None:
-        """Contiguous grouped GEMM, DeepGEMM's contract (ops.grouped_fp8_gemm_contiguous)."""
+             out: torch.Tensor, m_indices: torch.Tensor,
+             expert_ends: torch.Tensor | None = None) -> None:
+        """Contiguous grouped GEMM, DeepGEMM's contract (ops.grouped_fp8_gemm_contiguous).
+        expert_ends: the same layout as int32 [E_l] psum ends (ContiguousLayout.expert_ends), for
+        a GEMM that skips the blocks past each expert's slots; None: m_indices only."""
 
     def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
         """sizes.contiguous_workspace_shapes for M received tokens in passes of tokens_per_pass:
@@ -134,7 +153,9 @@ class ContiguousExperts(Experts):
               expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
               tokens_per_pass=None, activation="silu") -> None:
         """output bf16 [M, K] (written: the weighted sum of each token's k expert rows; slots
-        with no local expert add 0); topk_weights float32 [M, k] or None (plain sum).
+        with no local expert add 0); topk_weights float32 [M, k] or None (plain sum); a1q fp8
+        [M, K] with a1q_scale float32 [M, K/128], or a1q bf16 [M, K] with a1q_scale None (the
+        experts quantise it).
 
         M tokens are taken in passes of at most tokens_per_pass (module docstring; None: one
         pass); the workspaces are those workspace_shapes declares for M and the same bound."""
@@ -148,7 +169,8 @@ class ContiguousExperts(Experts):
         offset13 = M * weights.w2.shape[1]  # one pass's A and G' sit after the [M, K] output
         for start in range(0, M, tokens_per_pass):
             rows = slice(start, min(start + tokens_per_pass, M))
-            self._apply_pass(output[rows], a1q[rows], a1q_scale[rows], topk_ids[rows],
+            self._apply_pass(output[rows], a1q[rows],
+                             None if a1q_scale is None else a1q_scale[rows], topk_ids[rows],
                              None if topk_weights is None else topk_weights[rows],
                              offset13=offset13, **shared)
 
@@ -159,11 +181,15 @@ class ContiguousExperts(Experts):
         v = workspace_views(workspace13, workspace2, topk_ids.numel(), local_num_experts, K, I,
                             offset13)
         m_indices = v.layout.m_indices
+        ends = v.layout.expert_ends
         steps.build_layout(topk_ids, local_num_experts, expert_map, v.layout, v.counts)
-        steps.permute(a1q, a1q_scale, v.layout, *v.a)
-        self.gemm(v.a, (weights.w1, weights.w1_scale), v.h, m_indices)
+        if a1q_scale is None:
+            steps.quant_permute(a1q, v.layout, *v.a)
+        else:
+            steps.permute(a1q, a1q_scale, v.layout, *v.a)
+        self.gemm(v.a, (weights.w1, weights.w1_scale), v.h, m_indices, ends)
         steps.silu_and_mul_quant(v.h, *v.g)
-        self.gemm(v.g, (weights.w2, weights.w2_scale), v.y, m_indices)
+        self.gemm(v.g, (weights.w2, weights.w2_scale), v.y, m_indices, ends)
         steps.unpermute_reduce(v.y, v.layout.dest, topk_weights, output)
 
 
@@ -171,7 +197,7 @@ class TritonExperts(ContiguousExperts):
     """Experts on the Triton grouped GEMM of `ops.grouped_fp8_gemm_contiguous` (its torch
     reference on CPU: experts_steps.contiguous_gemm)."""
 
-    def gemm(self, a, w, out, m_indices) -> None:
+    def gemm(self, a, w, out, m_indices, expert_ends=None) -> None:
         steps.contiguous_gemm(a, w, out, m_indices)
 
 
@@ -190,8 +216,8 @@ class DeepGemmExperts(ContiguousExperts):
             raise RuntimeError(f"this DeepGEMM build aligns expert segments to {alignment} rows; "
                                f"the contiguous layout here aligns them to {ROW_ALIGNMENT}")
 
-    def gemm(self, a, w, out, m_indices) -> None:
-        _deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices)
+    def gemm(self, a, w, out, m_indices, expert_ends=None) -> None:
+        _deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices, expert_ends)
 
 
 def select_experts(intermediate_size: int, hidden_size: int) -> ContiguousExperts:

@@ -8,6 +8,7 @@ computes on its inputs' device.
     step                reads     CUDA: Triton launcher         CPU: torch reference
     build_layout        topk_ids  build_contiguous_layout_triton  build_contiguous_layout_into
     permute             a1q       permute_rows_triton             permute_rows_ref
+    quant_permute       a1        quant_permute_triton            quant_permute_ref
     silu_and_mul_quant  h         silu_and_mul_quant_fp8_triton   silu_and_mul_quant_fp8
     unpermute_reduce    y         unpermute_reduce_triton         unpermute_reduce_ref
     contiguous_gemm     a         grouped_fp8_gemm_contiguous_    ..._triton / ..._ref
@@ -32,6 +33,7 @@ from vllm_moe_fixes.ops.permute import (
     unpermute_reduce_ref,
     unpermute_reduce_triton,
 )
+from vllm_moe_fixes.ops.quant_permute import quant_permute_ref, quant_permute_triton
 from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_triton
 
 
@@ -52,6 +54,14 @@ def permute(a1q, a1q_scale, layout, out_q, out_s) -> None:
         permute_rows_triton(a1q, a1q_scale, layout, out_q, out_s)
     else:
         permute_rows_ref(a1q, a1q_scale, layout, out_q, out_s)
+
+
+def quant_permute(a1, layout, out_q, out_s) -> None:
+    """a1: the unquantised bf16 input (a prepare that deferred its quant)."""
+    if takes_triton(a1):
+        quant_permute_triton(a1, layout, out_q, out_s)
+    else:
+        quant_permute_ref(a1, layout, out_q, out_s)
 
 
 def silu_and_mul_quant(h, out_q, out_s, masked_m=None) -> None:

@@ -24,6 +24,10 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
 
     prepare: a1q, a1q_scale = per-token 1x128 FP8 quantisation of a1 (a1 * weight first when
     apply_router_weight_on_input); topk_ids / topk_weights pass through unchanged.
+    defer_input_quant=True (for experts whose `takes_unquantized_input` is True: the contiguous
+    experts): prepare returns a1q = a1 itself (bf16, weighted as above) and a1q_scale None, and the
+    experts quantise it where they permute it (one kernel instead of two, the same bits). Not
+    while torch.compile traces: the experts' op there takes a scale tensor.
     finalize: an output the experts reduced is already the layer's output
     (passes_reduced_output_through; copied only if it is another tensor); an unreduced
     [M, k, K] is summed over the k slots times topk_weights (weights unless they were applied on
@@ -32,11 +36,17 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
 
     activation_format = ActivationFormat.STANDARD
     passes_reduced_output_through = True
+    defer_input_quant = False
+
+    def __init__(self, *, defer_input_quant: bool = False) -> None:
+        self.defer_input_quant = defer_input_quant
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:
         if apply_router_weight_on_input:
             a1 = a1 * topk_weights.to(a1.dtype)  # k == 1: [M, 1] broadcasts over K
+        if self.defer_input_quant and not torch.compiler.is_compiling():
+            return PrepareResult(a1q=a1, a1q_scale=None)
         if not a1.is_cuda:
             a1q, a1q_scale = per_token_group_quant_fp8(a1, SCALE_BLOCK)
             return PrepareResult(a1q=a1q, a1q_scale=a1q_scale)
