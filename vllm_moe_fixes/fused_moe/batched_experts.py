@@ -64,6 +64,9 @@ class BatchedExperts(Experts):
     def gemm(self, a, w, out: torch.Tensor, masked_m: torch.Tensor, expected_m: int) -> None:
         """Masked grouped GEMM (DeepGEMM's contract, ops.grouped_fp8_gemm_masked)."""
 
+    def check_rows_per_expert(self, t: int) -> None:
+        """ValueError when the GEMM cannot take T = t rows per expert slice (default: any)."""
+
     def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
         """M is T, the rows of each expert slice (vllm_moe_fixes.sizes); one pass takes every
         slice, so tokens_per_pass is not read."""
@@ -83,7 +86,10 @@ class BatchedExperts(Experts):
         if expert_num_tokens is None:
             raise ValueError("batched experts need expert_num_tokens (int32 [E_l])")
         local_num_experts, t, _ = a1q.shape
-        masked_m = expert_num_tokens.to(torch.int32).contiguous()
+        self.check_rows_per_expert(t)
+        masked_m = expert_num_tokens
+        if masked_m.dtype != torch.int32 or not masked_m.is_contiguous():
+            masked_m = masked_m.to(torch.int32).contiguous()
         expected_m = t if expected_m is None else expected_m
         h, g_q, g_s = workspace_views(workspace13, workspace2, local_num_experts, t,
                                       weights.w2.shape[2])
@@ -119,15 +125,13 @@ class BatchedDeepGemmExperts(BatchedExperts):
     def __init__(self) -> None:
         _deep_gemm.require("BatchedDeepGemmExperts")
 
-    def apply(self, output, a1q, *args, **kwargs) -> None:
-        t = a1q.shape[1]
+    def check_rows_per_expert(self, t: int) -> None:
         if t % self.MASKED_TILE_ROWS:
             raise ValueError(
                 f"BatchedDeepGemmExperts needs T = num_dispatchers * max_tokens_per_rank rows per "
                 f"expert slice to be a multiple of {self.MASKED_TILE_ROWS}, got T={t}: DeepGEMM's "
                 "masked GEMM writes whole 128-row tiles (choose VLLM_MOE_DP_CHUNK_SIZE so that "
                 "the rank count times it is a multiple of 128, or use BatchedTritonExperts)")
-        super().apply(output, a1q, *args, **kwargs)
 
     def gemm(self, a, w, out, masked_m, expected_m) -> None:
         _deep_gemm.m_grouped_fp8_gemm_nt_masked(a, w, out, masked_m, expected_m)
