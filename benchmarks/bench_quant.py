@@ -15,6 +15,9 @@ Quant: for each M in 1, 256, 4096, 16384, 65536 (K = 7168) it times, in the same
   jit_us, jit_host_us  the kernel launched through Triton's `kernel[grid](...)` on every call
                        (the launch path before the cached launcher; do_bench / launch loop)
   torch_ref_us         the torch eager reference on the GPU
+  torch_cast_us, torch_cast_host_us  a torch op that launches one kernel from C++ (the bf16 -> fp8
+                       cast into the same output, q.copy_(x)): the host floor of an op that, like
+                       vLLM's CUDA quant, is dispatched through torch (do_bench / launch loop)
   copy_us              (graph replay) a device-to-device copy moving the same number of bytes
                        (half read, half written: the bandwidth ceiling)
 Bytes = input (M*K*2) + FP8 output (M*K) + scales (M*K/128*4). Writes
@@ -29,6 +32,11 @@ over the whole slices plus a copy of the scales, the way the unfused experts run
 (do_bench), under graph replay, and their host time (launch loop). Bytes = x (rows*2I*2) +
 q (rows*I) + scales (rows*I/128*4) over the valid rows. Writes
 benchmarks/results/bench_silu_mul_quant.json.
+
+--host-breakdown also times, at M = 1, each piece of the public op's host path on its own (launch
+loop, per call: checks, the two allocations, the launch key, the device and stream queries, the
+compiled kernel's launcher with data pointers and with tensors, Triton's JIT entry) and the small-M
+kernel under a few launch configs (graph replay); writes benchmarks/results/bench_quant_host.json.
 
 --sweep also times a grid of launch configs of each launcher (block_m x groups_per_prog x
 num_warps; for the quant also the float32 grid rounding), prints the best and writes
@@ -53,6 +61,8 @@ from benchmarks._common import (
     rotating,
     write_json,
 )
+from vllm_moe_fixes.ops import fp8_quant as fq
+from vllm_moe_fixes.ops import triton_utils as tu
 from vllm_moe_fixes.ops.activation import silu_and_mul
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.fp8_quant import (
@@ -124,6 +134,10 @@ def _jit_launch(x, q, s):
         UE8M0=False, ROUND_IN_FP32=False, num_warps=QUANT_NUM_WARPS)
 
 
+def _torch_cast(x, q, s):
+    q.copy_(x)
+
+
 def _quant(sweep_configs, ms):
     """The quant table for the M in `ms` (and sweep rows when sweep_configs)."""
     rows, sweep = [], []
@@ -140,6 +154,7 @@ def _quant(sweep_configs, ms):
             lambda x, q, s: per_token_group_quant_fp8_ref(x, SCALE_BLOCK, QUANT_EPS, False),
             sets[:2], rep=50)
         t_copy = copy_us(nbytes)
+        t_cast = bench_us(_torch_cast, sets)
         rows.append({
             "M": M, "K": K, "config": str(DEFAULT if M >= QUANT_BLOCK_M else SMALL_M),
             "us": t_row, "GB/s": gbps(nbytes, t_row),
@@ -150,6 +165,7 @@ def _quant(sweep_configs, ms):
             "jit_host_us": host_us(_jit_launch, sets),
             "tma_host_us": host_us(_tma, sets), "vllm_cuda_us_recorded": VLLM_CUDA_US.get(M),
             "torch_ref_us": t_ref, "x_vs_torch": t_ref / g_row,
+            "torch_cast_us": t_cast, "torch_cast_host_us": host_us(_torch_cast, sets),
             "copy_us": t_copy, "copy_GB/s": gbps(nbytes, t_copy), "frac_of_copy": t_copy / g_row,
         })
         if sweep_configs:
@@ -278,12 +294,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("quant", "fused"), help="run one of the two tables")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    parser.add_argument("--host-breakdown", action="store_true",
+                        help="also the host cost of each piece of a call at M = 1")
     parser.add_argument("--ms", default=",".join(map(str, MS)),
                         help=f"comma-separated M of the quant table (default {MS})")
     args = parser.parse_args()
     require_cuda("bench_quant")
     if args.only != "fused":
         _quant(args.sweep, [int(m) for m in args.ms.split(",")])
+    if args.host_breakdown:
+        _host_breakdown()
     if args.only != "quant":
         _fused_table(args.sweep)
 
@@ -299,6 +319,83 @@ def _sweep(M, sets, nbytes):
         us = graph_us(launch, sets)  # the kernel alone: small M is host-bound in do_bench
         out.append({"M": M, **cfg, "us": us, "GB/s": gbps(nbytes, us)})
     return out
+
+
+def _host_breakdown(M=1):
+    """Host time per call of each piece of the public op at M rows (see the module docstring)."""
+    x, q, s = _inputs(M)[0]
+    launcher = fq._launch_quant
+    grid = (M, cdiv(K // SCALE_BLOCK, QUANT_GROUPS_PER_PROG), 1)
+    tensors = (x, q, s)
+    scalars = (M, K // SCALE_BLOCK, x.stride(0), *s.stride(), QUANT_EPS, SCALE_BLOCK,
+               QUANT_SMALL_M_BLOCK_M, QUANT_GROUPS_PER_PROG, False, False)
+    compiled = fq._per_token_group_quant_fp8_kernel[grid](*tensors, *scalars,
+                                                          num_warps=QUANT_SMALL_M_NUM_WARPS)
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    direct = tu._direct_launch(compiled)
+    ptrs = tuple(t.data_ptr() for t in tensors)
+    device = torch._C._cuda_getDevice()
+    stream = torch._C._cuda_getCurrentRawStream
+
+    def run_ptrs():
+        run(*grid, stream(device), function, metadata, None, None, None, *ptrs, *scalars)
+
+    def run_tensors():
+        run(*grid, stream(device), function, metadata, None, None, None, *tensors, *scalars)
+
+    def run_direct():
+        direct(*grid, stream(device), *ptrs, *scalars)
+
+    def key():
+        p = tuple(map(tu._DATA_PTR, tensors))
+        return (device, 4, *map(tu._DTYPE, tensors), *map(tu._LOW_BITS, p), *scalars)
+
+    pieces = {
+        "public op, out_q given": lambda: _row_major(x, q, s),
+        "public op, outputs allocated": lambda: per_token_group_quant_fp8(x, SCALE_BLOCK),
+        "public op, TMA-aligned scales": lambda: _tma(x, q, s),
+        "per_token_group_quant_fp8_triton": lambda: _launcher(x, q, s),
+        "KernelLauncher call": lambda: launcher(grid, QUANT_SMALL_M_NUM_WARPS, tensors, scalars),
+        f"C launch, no wrapper ({direct.__name__})": run_direct,
+        "compiled launcher, data pointers": run_ptrs,
+        "compiled launcher, tensors": run_tensors,
+        "Triton JIT kernel[grid]": lambda: _jit_launch(x, q, s),
+        "torch q.copy_(x) (one C++ launch)": lambda: q.copy_(x),
+        "_check_arguments": lambda: fq._check_arguments(x, SCALE_BLOCK, QUANT_EPS, FP8_DTYPE,
+                                                        False),
+        "values buffer (allocated)": lambda: fq._values_buffer(x, None),
+        "values buffer (out_q checks)": lambda: fq._values_buffer(x, q),
+        "scales buffer, row-major": lambda: fq._scales_buffer(x, 56, None, False, False),
+        "scales buffer, TMA-aligned": lambda: fq._scales_buffer(x, 56, None, True, True),
+        "one uint8 buffer + 2 views": lambda: _one_buffer(x),
+        "launch key (by value)": key,
+        "by-value dict lookup": lambda: launcher._by_value.get(key()),
+        "torch._C._cuda_getDevice()": torch._C._cuda_getDevice,
+        "torch.cuda.current_device()": torch.cuda.current_device,
+        "_cuda_getCurrentRawStream": lambda: stream(device),
+        "_hooked()": tu._hooked,
+        "empty Python call": lambda: None,
+    }
+    rows = [{"piece": name, "host_us": host_us(fn, [()], calls=1000)}
+            for name, fn in pieces.items()]
+    print_table(rows, ["piece", "host_us"])
+    configs = []
+    for gp, warps in itertools.product((2, 4, 8), (2, 4)):
+        def launch(x, q, s, gp=gp, warps=warps):
+            per_token_group_quant_fp8_triton(x, q, s, SCALE_BLOCK, QUANT_EPS, False,
+                                             block_m=1, groups_per_prog=gp, num_warps=warps)
+        configs.append({"M": M, "groups_per_prog": gp, "num_warps": warps,
+                        "graph_us": graph_us(launch, [(x, q, s)])})
+    print_table(configs, list(configs[0]))
+    write_json("bench_quant_host", {"M": M, "K": K, "pieces": rows, "kernel_configs": configs,
+                                    "c_launch": direct.__name__})
+
+
+def _one_buffer(x):
+    """The values and the scales of x as views of one uint8 allocation."""
+    M, K_ = x.shape
+    buf = torch.empty(M * K_ + M * (K_ // SCALE_BLOCK) * 4, dtype=torch.uint8, device=x.device)
+    return buf[:M * K_].view(FP8_DTYPE).view(M, K_), buf[M * K_:].view(torch.float32).view(M, -1)
 
 
 def _report_sweep(sweep):

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 import torch
+import triton
 
 from vllm_moe_fixes.ops import fp8_quant as fq
-from vllm_moe_fixes.ops import triton_utils
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX
 from vllm_moe_fixes.ops.fp8_quant import (
     per_token_group_quant_fp8,
@@ -435,57 +435,6 @@ def test_quant_batched_fp8_into_given_buffers():
 
 # ---------------------------------------------------------------- the cached launch path
 
-def test_int_class_separates_what_triton_specialises():
-    """1 (a constant), multiples of 16 (a divisibility hint), others, and 64-bit values each get
-    their own class; values Triton compiles alike share one."""
-    classes = {v: fq._int_class(v) for v in (1, 2, 7, 16, 7168, 2**31 - 1, 2**31, 2**31 + 1)}
-    assert classes[2] == classes[7] == classes[2**31 - 1]
-    assert classes[16] == classes[7168]
-    assert len({classes[1], classes[2], classes[16], classes[2**31], classes[2**31 + 1]}) == 5
-
-
-class _FakeCompiled:
-    def __init__(self):
-        self.function, self.packed_metadata, self.launches = "fn", "meta", []
-
-    def run(self, *args):
-        self.launches.append(args)
-
-
-class _FakeKernel:
-    """Stands in for a @triton.jit kernel: kernel[grid](*args) records and returns a compiled
-    kernel, as Triton's JIT entry does."""
-
-    def __init__(self):
-        self.jit_launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, num_warps):
-            self.jit_launches.append((grid, args, num_warps))
-            return _FakeCompiled()
-        return launch
-
-
-def test_launch_compiled_reuses_the_kernel_of_its_key(monkeypatch):
-    """First launch of a key through Triton; later ones through the compiled kernel's launcher
-    with the grid, the current stream and every argument; a new key or an installed launch hook
-    goes through Triton again."""
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device,
-                        raising=False)
-    kernel, cache = _FakeKernel(), {}
-    fq._launch_compiled(kernel, cache, (0, "a"), (2, 3, 1), ("x", 5), 8)
-    assert kernel.jit_launches == [((2, 3, 1), ("x", 5), 8)]
-    compiled = cache[(0, "a")]
-    fq._launch_compiled(kernel, cache, (0, "a"), (4, 3, 1), ("y", 6), 8)
-    assert len(kernel.jit_launches) == 1
-    assert compiled.launches == [(4, 3, 1, 1000, "fn", "meta", None, None, None, "y", 6)]
-    fq._launch_compiled(kernel, cache, (1, "a"), (4, 3, 1), ("y", 6), 8)
-    assert len(kernel.jit_launches) == 2 and (1, "a") in cache
-    monkeypatch.setattr(triton_utils, "_hooked", lambda: True)
-    fq._launch_compiled(kernel, cache, (0, "a"), (4, 3, 1), ("y", 6), 8)
-    assert len(kernel.jit_launches) == 3 and len(compiled.launches) == 1
-
-
 @pytest.mark.gpu
 def test_gpu_cached_launches_keep_every_specialisation():
     """Launches that Triton specialises differently (M of 1, a multiple of 16 or neither; a row
@@ -493,7 +442,8 @@ def test_gpu_cached_launches_keep_every_specialisation():
     order that would reuse a wrong kernel if the key missed one, all give the reference's bits."""
     wide = _make_x((80, 7168 + 8), device="cuda", seed=11)
     cases = [wide[:1, :7168], wide[:32, :7168], wide[:33, :7168], wide[:16, 8:7176],
-             wide[1:34, 1:7169], _make_x((48, 7168), device="cuda", seed=12), wide[:1, :7168]]
+             wide[1:34, 1:7169], _make_x((48, 7168), device="cuda", seed=12), wide[:1, :7168],
+             wide[:1, :7168].half(), wide[:3, :7168].float(), wide[:1, 1:7169]]
     for i, x in enumerate(cases * 2):
         M = x.shape[0]
         x_q = torch.full((M, 7168), 0x7F, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
@@ -502,3 +452,25 @@ def test_gpu_cached_launches_keep_every_specialisation():
         ref_q, ref_s = per_token_group_quant_fp8_ref(x, 128, 1e-10, False)
         assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8)), i
         assert torch.equal(x_s, ref_s), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 256])
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+def test_gpu_cached_launch_matches_triton_jit(M, use_ue8m0):
+    """The public op's cached launch (its second call and later) writes the bits that
+    Triton's own kernel[grid](...) writes with the same config, on fresh inputs each call."""
+    for seed in range(3):
+        x = _make_x((M, 7168), device="cuda", seed=20 + seed)
+        got_q, got_s = per_token_group_quant_fp8(x, 128, use_ue8m0=use_ue8m0)
+        want_q = torch.full((M, 7168), 0x7F, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
+        want_s = torch.full((M, 56), float("nan"), device="cuda")
+        block_m = fq.QUANT_SMALL_M_BLOCK_M if M < fq.QUANT_BLOCK_M else fq.QUANT_BLOCK_M
+        warps = fq.QUANT_SMALL_M_NUM_WARPS if M < fq.QUANT_BLOCK_M else fq.QUANT_NUM_WARPS
+        grid = (triton.cdiv(M, block_m), triton.cdiv(56, fq.QUANT_GROUPS_PER_PROG))
+        fq._per_token_group_quant_fp8_kernel[grid](
+            x, want_q, want_s, M, 56, x.stride(0), 56, 1, 1e-10, GROUP=128, BLOCK_M=block_m,
+            GROUPS_PER_PROG=fq.QUANT_GROUPS_PER_PROG, UE8M0=use_ue8m0, ROUND_IN_FP32=False,
+            num_warps=warps)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), seed
+        assert torch.equal(got_s, want_s), seed

@@ -72,39 +72,205 @@ def test_launch_keys_separate_what_triton_specialises():
     assert tu._arg_class(aligned[16:]) == tu._arg_class(aligned)
 
 
-def test_launch_goes_through_triton_once_per_key(monkeypatch):
-    """Compiled (not interpreting): the first launch of a key goes through kernel[grid], later
-    ones of the same key through the CompiledKernel with a 3-d grid and every argument; another
-    specialisation of an argument goes through Triton again."""
-    jit, runs = [], []
+class _Compiled:
+    """Stands in for a CompiledKernel: records the launches its launcher (run) receives."""
 
-    class Compiled:
-        function, packed_metadata = "fn", "meta"
+    function, packed_metadata = "fn", "meta"
 
-        def run(self, *args):
-            runs.append(args)
+    def __init__(self):
+        self.launches = []
 
-    class Kernel:
-        def __getitem__(self, grid):
-            def first(*args, num_warps, **options):
-                jit.append((grid, args, num_warps, options))
-                return Compiled()
-            return first
+    def run(self, *args):
+        self.launches.append(args)
 
+
+class _Kernel:
+    """Stands in for a @triton.jit kernel: kernel[grid](*args) records the call and returns a new
+    compiled kernel, as Triton's JIT entry does."""
+
+    __name__ = "_fake_kernel"
+
+    def __init__(self):
+        self.jit, self.compiled = [], []
+
+    def __getitem__(self, grid):
+        def first(*args, num_warps, **options):
+            self.jit.append((grid, args, num_warps, options))
+            self.compiled.append(_Compiled())
+            return self.compiled[-1]
+        return first
+
+
+@pytest.fixture
+def compiled_mode(monkeypatch):
+    """The launchers as on a GPU (not interpreting), with device 0 and stream 1000 + device."""
+    device = [0]
     monkeypatch.setattr(tu, "INTERPRETING", False)
-    monkeypatch.setattr(tu, "_COMPILED", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device,
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: device[0], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1000 + d,
                         raising=False)
-    kernel, x = Kernel(), torch.empty(4)
-    tu.launch(kernel, (2,), (x, 5, True), 4, enable_fp_fusion=False)
-    assert jit == [((2, 1, 1), (x, 5, True), 4, {"enable_fp_fusion": False})] and not runs
-    tu.launch(kernel, (3, 2), (x, 7, True), 4, enable_fp_fusion=False)
-    assert len(jit) == 1 and runs == [(3, 2, 1, 1000, "fn", "meta", None, None, None, x, 7, True)]
-    for args, warps, opts in (((x, 16, True), 4, {"enable_fp_fusion": False}),
-                              ((x, 7, False), 4, {"enable_fp_fusion": False}),
-                              ((x, 7, True), 8, {"enable_fp_fusion": False}),
-                              ((x, 7, True), 4, {}),
-                              ((x.int(), 7, True), 4, {"enable_fp_fusion": False})):
-        tu.launch(kernel, (1,), args, warps, **opts)
-    assert len(jit) == 6 and len(runs) == 1
+    return device
+
+
+def _aligned(nbytes, dtype=torch.uint8):
+    """A CPU tensor whose data pointer is a multiple of 16 bytes."""
+    buf = torch.empty(nbytes + 16, dtype=torch.uint8)
+    return buf[(-buf.data_ptr()) % 16:][:nbytes].view(dtype)
+
+
+def test_launcher_goes_through_triton_once_per_specialisation(compiled_mode):
+    """The first launch goes through kernel[grid] with the tensors; a repeat, and a new value of
+    the same class (M=5 after M=7), call the compiled kernel's launcher with the grid, the
+    current stream, the data pointers and every scalar, without Triton."""
+    kernel = _Kernel()
+    launcher = tu.KernelLauncher(kernel, enable_fp_fusion=False)
+    x = _aligned(64, torch.float32)
+    launcher((2, 1, 1), 4, (x,), (7, 1e-10, True))
+    assert kernel.jit == [((2, 1, 1), (x, 7, 1e-10, True), 4, {"enable_fp_fusion": False})]
+    launcher((3, 2, 1), 4, (x,), (7, 1e-10, True))
+    launcher((1, 1, 1), 4, (x,), (5, 1e-10, True))
+    assert len(kernel.jit) == 1
+    assert kernel.compiled[0].launches == [
+        (3, 2, 1, 1000, "fn", "meta", None, None, None, x.data_ptr(), 7, 1e-10, True),
+        (1, 1, 1, 1000, "fn", "meta", None, None, None, x.data_ptr(), 5, 1e-10, True)]
+
+
+def test_launcher_new_specialisation_is_compiled_not_served_stale(compiled_mode):
+    """Each argument change that Triton compiles differently goes through Triton once, even
+    after a launch of the same values in the by-value cache: a key too coarse in any part
+    (device, num_warps, dtype, 16-byte alignment, integer class, constexpr) fails here."""
+    kernel = _Kernel()
+    launcher = tu.KernelLauncher(kernel)
+    x = _aligned(4096, torch.float32)
+    base = ((x,), (7, 1e-10, True))
+    changes = [
+        ((x[16:],), (7, 1e-10, True)),        # 64 bytes on: still aligned -> same kernel
+        ((x[1:],), (7, 1e-10, True)),         # 4 bytes on: not 16-byte aligned
+        ((x.view(torch.int32),), (7, 1e-10, True)),  # another dtype
+        ((x,), (1, 1e-10, True)),             # an int equal to 1
+        ((x,), (32, 1e-10, True)),            # a multiple of 16
+        ((x,), (2**31, 1e-10, True)),         # a 64-bit int
+        ((x,), (7, 1e-10, False)),            # a constexpr
+    ]
+    launcher((1, 1, 1), 4, *base)
+    for tensors, scalars in changes:
+        launcher((1, 1, 1), 4, tensors, scalars)
+    assert len(kernel.jit) == 1 + len(changes) - 1  # all but the aligned view compile anew
+    launcher((1, 1, 1), 8, *base)                     # num_warps
+    compiled_mode[0] = 1
+    launcher((1, 1, 1), 4, *base)                     # another device
+    assert len(kernel.jit) == len(changes) + 2
+    assert [c.launches[-1][3] for c in kernel.compiled if c.launches] == [1000]
+
+
+def test_launcher_hooks_see_every_launch(compiled_mode, monkeypatch):
+    kernel = _Kernel()
+    launcher = tu.KernelLauncher(kernel)
+    x = _aligned(64, torch.float32)
+    launcher((1, 1, 1), 4, (x,), (7,))
+    monkeypatch.setattr(tu, "_hooked", lambda: True)
+    launcher((1, 1, 1), 4, (x,), (7,))
+    launcher((1, 1, 1), 4, (x,), (7,))
+    assert len(kernel.jit) == 3 and not any(c.launches for c in kernel.compiled)
+
+
+def test_launcher_by_value_cache_is_bounded(compiled_mode, monkeypatch):
+    """Past _MAX_BY_VALUE entries the by-value cache empties; the by-class cache still serves
+    the compiled kernel, so Triton runs once."""
+    monkeypatch.setattr(tu, "_MAX_BY_VALUE", 4)
+    kernel = _Kernel()
+    launcher = tu.KernelLauncher(kernel)
+    x = _aligned(64, torch.float32)
+    for m in range(3, 40, 2):
+        launcher((1, 1, 1), 4, (x,), (m,))
+    assert len(kernel.jit) == 1 and len(launcher._by_value) <= 4
+    assert len(kernel.compiled[0].launches) == len(range(3, 40, 2)) - 1
+
+
+def test_launcher_refuses_a_tensor_among_the_scalars(compiled_mode):
+    x = _aligned(64, torch.float32)
+    with pytest.raises(ValueError, match="_fake_kernel: a tensor among the scalar arguments"):
+        tu.KernelLauncher(_Kernel())((1, 1, 1), 4, (x,), (7, x))
+
+
+def test_launch_splits_the_leading_tensors(compiled_mode, monkeypatch):
+    """launch(kernel, grid, args, ...) pads the grid to 3, passes the leading tensors as tensors
+    and keeps one launcher per kernel and options."""
+    monkeypatch.setattr(tu, "_LAUNCHERS", {})
+    kernel, x = _Kernel(), _aligned(64, torch.float32)
+    tu.launch(kernel, (2,), (x, x, 5, True), 4, enable_fp_fusion=False)
+    tu.launch(kernel, (3, 2), (x, x, 7, True), 4, enable_fp_fusion=False)
+    assert kernel.jit == [((2, 1, 1), (x, x, 5, True), 4, {"enable_fp_fusion": False})]
+    assert kernel.compiled[0].launches == [
+        (3, 2, 1, 1000, "fn", "meta", None, None, None, x.data_ptr(), x.data_ptr(), 7, True)]
+    tu.launch(kernel, (1,), (x, x, 7, True), 4)  # other options: another launcher
+    assert len(kernel.jit) == 2 and len(tu._LAUNCHERS) == 2
+
+
+class _Wrapper:
+    """Stands in for Triton's CudaLauncher: the C launch function as `launch`, the metadata the
+    direct call reads, and a __call__ that must not be used when the direct call applies."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+    arg_annotations, kernel_signature = "annotations", b"sig"
+
+    def __init__(self, scratch=0):
+        self.global_scratch_size = self.profile_scratch_size = scratch
+        self.launches, self.wrapped = [], []
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+    def __call__(self, *args):
+        self.wrapped.append(args)
+
+
+class _WrappedCompiled:
+    function, packed_metadata = "fn", (4, 1, 0)
+
+    def __init__(self, scratch=0):
+        self.run = _Wrapper(scratch)
+
+
+@pytest.mark.parametrize("version", [(3, 6), (3, 9), (3, 7)])
+def test_direct_launch_argument_layouts(version, monkeypatch):
+    """The C launch gets what Triton's wrapper would hand it: triton 3.6 every argument flat
+    after (scratch, scratch, metadata, launch metadata, hooks); 3.9 (metadata, launch metadata,
+    hooks, scratch, scratch, annotations, signature, the arguments as a tuple). Another version,
+    or a kernel with scratch memory, goes through the wrapper."""
+    monkeypatch.setattr(tu, "_TRITON_VERSION", version)
+    compiled = _WrappedCompiled()
+    tu._direct_launch(compiled)(2, 3, 1, 77, 1000, 7, True)
+    head = (2, 3, 1, 77, "fn", False, True)
+    want = {(3, 6): head + (None, None, (4, 1, 0), None, None, None, 1000, 7, True),
+            (3, 9): head + ((4, 1, 0), None, None, None, None, None, "annotations", b"sig",
+                            (1000, 7, True))}
+    if version in want:
+        assert compiled.run.launches == [want[version]] and not compiled.run.wrapped
+    else:
+        assert compiled.run.wrapped == [(2, 3, 1, 77, "fn", (4, 1, 0), None, None, None, 1000, 7,
+                                         True)] and not compiled.run.launches
+    scratch = _WrappedCompiled(scratch=256)
+    tu._direct_launch(scratch)(1, 1, 1, 77, 1000)
+    assert scratch.run.wrapped and not scratch.run.launches
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n) * factor, mask=i < n)
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_matches_triton_jit():
+    """On the GPU the cached launch (second and later calls) writes what kernel[grid] writes, for
+    a new n of the same class, another dtype and a misaligned view in between."""
+    launcher = tu.KernelLauncher(_scale_kernel)
+    base = torch.randn(5000, device="cuda")
+    for x in (base[:1000], base[:1000], base[:777], base.half()[:1000], base[1:1001], base[:1000]):
+        n = x.numel()
+        want = torch.full_like(x, float("nan"))
+        _scale_kernel[(triton.cdiv(n, 256),)](x, want, n, 0.37, BLOCK=256)
+        got = torch.full_like(x, float("nan"))
+        launcher((triton.cdiv(n, 256), 1, 1), 4, (x, got), (n, 0.37, 256))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

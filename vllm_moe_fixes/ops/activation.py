@@ -16,7 +16,12 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_bf16_grid
+from vllm_moe_fixes.ops.triton_utils import (
+    INTERPRETING,
+    KernelLauncher,
+    next_power_of_2,
+    round_to_bf16_grid,
+)
 from vllm_moe_fixes.sizes import cdiv
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -66,10 +71,12 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor, *, block_m: int = 1,
     if M == 0 or I == 0:
         return
     block_n = block_n or min(1024, next_power_of_2(I))
-    grid = (cdiv(M, block_m), cdiv(I, block_n))
-    _silu_and_mul_kernel[grid](x, out, M, I, x.stride(0), out.stride(0),
-                               BLOCK_M=block_m, BLOCK_N=block_n, INTERPRETED=INTERPRETING,
-                               num_warps=num_warps)
+    grid = (cdiv(M, block_m), cdiv(I, block_n), 1)
+    _launch_silu_and_mul(grid, num_warps, (x, out), (
+        M, I, x.stride(0), out.stride(0), block_m, block_n, INTERPRETING))
+
+
+_launch_silu_and_mul = KernelLauncher(_silu_and_mul_kernel)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

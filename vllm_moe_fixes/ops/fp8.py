@@ -38,8 +38,17 @@ def empty_mn_major_scales(shape: tuple[int, ...], device: torch.device | str,
     `tma_aligned` (DeepEP's low-latency layout, [E, T, groups] with strides (groups*T, 1, T))."""
     *batch, rows, groups = shape
     padded = tma_aligned_rows(rows) if tma_aligned else rows
-    storage = torch.empty((*batch, groups, padded), dtype=torch.float32, device=device)
-    return storage[..., :rows].transpose(-1, -2)
+    # One allocation with the final strides (storage [..., groups, padded], every column padded
+    # to the end); a slice only where padding rows exist. Fewer host calls than allocating the
+    # storage shape and transposing it (small-M quant pays this on every call).
+    strides = [1, padded]
+    step = groups * padded
+    for size in reversed(batch):
+        strides.insert(0, step)
+        step *= size
+    scales = torch.empty_strided((*batch, padded, groups), strides, dtype=torch.float32,
+                                 device=device)
+    return scales if padded == rows else scales[..., :rows, :]
 
 
 def mn_major_scales_view(ws: torch.Tensor, byte_offset: int,

@@ -29,10 +29,11 @@ multiply by the reciprocal, which rounds differently at ties; tensor / tensor is
 both devices (`tl.math.div_rn` in Triton, whose plain fp32 `/` is approximate).
 
 Host cost matters as much as the kernel for small M (decode): the public op validates with plain
-attribute reads, allocates at most two tensors, reshapes only inputs that are not already 2-D and
-launches through `_launch_compiled`, which calls the kernel Triton compiled for the same
-specialisation directly. Triton's own `kernel[grid](...)` re-binds every argument, hashes a cache
-key and reads its option knobs on every call, which was most of the ~50 us a small-M call took.
+attribute reads, allocates the values and the scales with one host call each, reshapes only inputs
+that are not already 2-D and launches through a `KernelLauncher` (triton_utils), which finds the
+kernel Triton compiled for the same specialisation with one dict lookup and calls it directly.
+Triton's own `kernel[grid](...)` re-binds every argument, hashes a cache key and reads its option
+knobs on every call.
 """
 
 import torch
@@ -48,8 +49,7 @@ from vllm_moe_fixes.ops.fp8 import (
 )
 from vllm_moe_fixes.ops.triton_utils import (
     INTERPRETING,
-    _int_class,
-    _launch_compiled,
+    KernelLauncher,
     next_power_of_2,
     round_to_e4m3_grid,
 )
@@ -151,24 +151,15 @@ def per_token_group_quant_fp8_triton(
         groups_per_prog = (QUANT_GROUPS_PER_PROG if num_groups >= QUANT_GROUPS_PER_PROG
                            else next_power_of_2(num_groups))
     grid = (cdiv(M, block_m), cdiv(num_groups, groups_per_prog), 1)
-    x_row_stride, (s_row_stride, s_group_stride) = x.stride(0), x_s.stride()
-    # The kernel's arguments in its signature order, constexprs included (Triton's launcher takes
-    # them all and skips the constexprs). eps as a float: an int eps would be specialised.
-    args = (x, x_q, x_s, M, num_groups, x_row_stride, s_row_stride, s_group_stride, float(eps),
-            group_size, block_m, groups_per_prog, use_ue8m0, round_in_fp32)
-    if INTERPRETING:
-        _per_token_group_quant_fp8_kernel[grid](*args, num_warps=num_warps)
-        return
-    key = (torch.cuda.current_device(), x.dtype, x_q.dtype, x_s.dtype,
-           x.data_ptr() % 16, x_q.data_ptr() % 16, x_s.data_ptr() % 16,
-           _int_class(M), _int_class(num_groups), _int_class(x_row_stride),
-           _int_class(s_row_stride), _int_class(s_group_stride), *args[9:], num_warps)
-    _launch_compiled(_per_token_group_quant_fp8_kernel, _COMPILED_QUANT, key, grid, args,
-                     num_warps)
+    # The kernel's parameters after the tensors, in its signature order, constexprs included
+    # (Triton's launcher takes them all and skips the constexprs). eps as a float: an int eps
+    # would be specialised; the flags as bools: the by-value key reads 1 as True.
+    _launch_quant(grid, num_warps, (x, x_q, x_s), (
+        M, num_groups, x.stride(0), *x_s.stride(), float(eps), group_size, block_m,
+        groups_per_prog, bool(use_ue8m0), bool(round_in_fp32)))
 
 
-# Launches after the first of each key skip Triton's binder (triton_utils._launch_compiled).
-_COMPILED_QUANT: dict[tuple, object] = {}
+_launch_quant = KernelLauncher(_per_token_group_quant_fp8_kernel)
 
 
 # ---------------------------------------------------------------- references
@@ -231,8 +222,8 @@ def _check_arguments(x, group_size, eps, dtype, column_major_scales) -> None:
 
 def _values_buffer(x, out_q) -> torch.Tensor:
     """x_q: out_q after checks, or a new float8_e4m3fn tensor of x's shape."""
-    if out_q is None:
-        return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    if out_q is None:  # empty_like: one call cheaper on the host than torch.empty(x.shape, ...)
+        return torch.empty_like(x, dtype=FP8_DTYPE, memory_format=torch.contiguous_format)
     if not isinstance(out_q, torch.Tensor) or out_q.dtype is not FP8_DTYPE:
         raise ValueError(f"out_q must be a torch.float8_e4m3fn tensor, got "
                          f"{getattr(out_q, 'dtype', type(out_q))}")
@@ -252,11 +243,12 @@ def _column_stride(M, tma_aligned) -> int:
 def _scales_buffer(x, num_groups, out_s, column_major, tma_aligned) -> torch.Tensor:
     """x_s: out_s after checks, or new float32 scales [..., num_groups] in the layout the flags
     ask for."""
-    shape = (*x.shape[:-1], num_groups)
     if out_s is None:
-        if not column_major:
-            return torch.empty(shape, dtype=torch.float32, device=x.device)
-        return empty_mn_major_scales(shape, x.device, tma_aligned=tma_aligned)
+        if not column_major:  # sizes as separate ints: cheaper to parse than a shape tuple
+            return torch.empty(*x.shape[:-1], num_groups, dtype=torch.float32, device=x.device)
+        return empty_mn_major_scales((*x.shape[:-1], num_groups), x.device,
+                                     tma_aligned=tma_aligned)
+    shape = (*x.shape[:-1], num_groups)
     if not isinstance(out_s, torch.Tensor) or out_s.dtype is not torch.float32:
         raise ValueError(f"out_s must be a torch.float32 tensor, got "
                          f"{getattr(out_s, 'dtype', type(out_s))}")

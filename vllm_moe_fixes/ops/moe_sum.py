@@ -14,7 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_moe_fixes.ops.triton_utils import INTERPRETING, next_power_of_2, round_to_bf16_grid
+from vllm_moe_fixes.ops.triton_utils import (
+    INTERPRETING,
+    KernelLauncher,
+    next_power_of_2,
+    round_to_bf16_grid,
+)
 from vllm_moe_fixes.sizes import cdiv
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -77,13 +82,15 @@ def moe_sum_triton(x: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tenso
     block_m = block_m or 1
     grid = (cdiv(M, block_m), cdiv(K, block_k))
     weighted = topk_weights is not None
+    # Unweighted, out stands in for w_ptr (WEIGHTED=False: never read).
     w, w_strides = (topk_weights, topk_weights.stride()) if weighted else (out, (0, 0))
-    _moe_sum_kernel[grid](
-        x, w, out, M, K, *x.stride(), *w_strides, *out.stride(),
-        TOPK=topk, WEIGHTED=weighted, BLOCK_M=block_m, BLOCK_K=block_k,
-        ROUND_BF16=INTERPRETING and out.dtype == torch.bfloat16, num_warps=num_warps,
-        enable_fp_fusion=False,
-    )
+    _launch_moe_sum((*grid, 1), num_warps, (x, w, out), (
+        M, K, *x.stride(), *w_strides, *out.stride(), topk, weighted, block_m, block_k,
+        INTERPRETING and out.dtype == torch.bfloat16))
+
+
+# fp fusion off: each weighted product is rounded before it is added, as torch computes it
+_launch_moe_sum = KernelLauncher(_moe_sum_kernel, enable_fp_fusion=False)
 
 
 def moe_sum_ref(x: torch.Tensor, topk_weights: torch.Tensor | None = None) -> torch.Tensor:

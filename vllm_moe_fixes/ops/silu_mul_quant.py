@@ -25,7 +25,7 @@ import triton.language as tl
 from vllm_moe_fixes.ops.activation import silu_and_mul_ref, silu_and_mul_values
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.fp8_quant import QUANT_EPS, per_token_group_quant_fp8_ref, quantize_groups
-from vllm_moe_fixes.ops.triton_utils import INTERPRETING, launch
+from vllm_moe_fixes.ops.triton_utils import INTERPRETING, KernelLauncher
 from vllm_moe_fixes.sizes import cdiv
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
@@ -94,12 +94,16 @@ def silu_and_mul_quant_fp8_triton(
     if experts == 0 or rows_per_expert == 0 or num_groups == 0:
         return
     grid = (cdiv(rows_per_expert, block_m), cdiv(num_groups, groups_per_prog), experts)
-    # every parameter in signature order, the constexprs last (HAS_COUNTS .. SCALE_BLOCK)
-    launch(_silu_and_mul_quant_fp8_kernel, grid, (
-        x, x_q, x_s, expert_num_tokens, rows_per_expert, num_groups,
-        x_e, x.stride(-2), q_e, x_q.stride(-2), s_e, x_s.stride(-2), x_s.stride(-1),
-        float(QUANT_EPS), expert_num_tokens is not None, block_m, groups_per_prog, use_ue8m0,
-        INTERPRETING, SCALE_BLOCK), num_warps)
+    # Without counts x stands in for counts_ptr (HAS_COUNTS=False: never read).
+    counts = x if expert_num_tokens is None else expert_num_tokens
+    # the parameters after the tensors, in signature order, constexprs last (HAS_COUNTS ..)
+    _launch_fused(grid, num_warps, (x, x_q, x_s, counts), (
+        rows_per_expert, num_groups, x_e, x.stride(-2), q_e, x_q.stride(-2), s_e,
+        x_s.stride(-2), x_s.stride(-1), float(QUANT_EPS), expert_num_tokens is not None, block_m,
+        groups_per_prog, bool(use_ue8m0), INTERPRETING, SCALE_BLOCK))
+
+
+_launch_fused = KernelLauncher(_silu_and_mul_quant_fp8_kernel)
 
 
 def silu_and_mul_quant_fp8_ref(

@@ -3,6 +3,7 @@ power of two, the device roundings the interpreter gets wrong, and a launch that
 per-call argument binding (`launch`). Nothing here quantises.
 """
 
+import operator
 import os
 
 import torch
@@ -58,14 +59,32 @@ def round_to_e4m3_grid(v):
 # ---------------------------------------------------------------- launch without Triton's binder
 # `kernel[grid](*args)` re-derives the specialisation of every argument, hashes a cache key,
 # reads Triton's option knobs and builds launch metadata on each call: tens of microseconds of
-# host time, the whole cost of a small-M launch. The first launch of a specialisation goes through
-# it and returns the CompiledKernel; later launches with the same specialisation call that
-# kernel's launcher directly, as Triton itself does after its cache lookup (triton 3.6 and 3.9).
-# The key holds what Triton's specialisation reads of the arguments: tensor dtypes and 16-byte
-# alignment, `_int_class` of each integer, the constexprs, num_warps, the options and the device.
+# host time, the whole cost of a small-M launch. A KernelLauncher sends the first launch of each
+# specialisation through it and keeps the CompiledKernel that launch returns; later launches call
+# that kernel's launcher directly, as Triton itself does after its cache lookup (triton 3.6, 3.9).
+#
+# Two caches, both per launcher and per device:
+#   by value: (num_warps, tensor dtypes, the low 4 bits of each data pointer, the scalars as
+#       given) -> launch entry. Hashing a tuple is one C call, so a hit costs one lookup; the key
+#       is finer than Triton's specialisation (never too coarse). It holds one entry per shape
+#       and stride combination seen and is emptied when it passes _MAX_BY_VALUE entries.
+#   by class: what Triton specialises on (_arg_class: dtypes and 16-byte alignment, `_int_class`
+#       of each integer, float, constexpr values) -> the same entry; consulted on a by-value miss,
+#       so a new M reuses the compiled kernel without Triton's binder.
+# The launch passes each tensor as its data pointer (an int, which Triton's launcher takes as
+# is): Triton would call data_ptr() and ask the driver about the pointer again. The caller
+# guarantees CUDA tensors on the current device (the public ops check the device). It calls
+# Triton's C launch function itself (`_direct_launch`), skipping the Python wrapper around it.
 # Option knobs read from the environment (TRITON_DEBUG, ...) are those of the first launch of each
-# key. While a launch hook is installed (a profiler), every launch goes through Triton so that the
-# hook sees it.
+# specialisation. While a launch hook is installed (a profiler), every launch goes through Triton
+# so that the hook sees it.
+
+_MAX_BY_VALUE = 4096
+_TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2])
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+_LOW_BITS = (15).__and__  # p & 15: the part of a pointer Triton's alignment check reads
+
 
 def _int_class(v: int) -> int:
     """What Triton's specialisation reads of an integer argument: equal to 1 (then a compile-time
@@ -73,28 +92,8 @@ def _int_class(v: int) -> int:
     return (v == 1) + 2 * (v % 16 == 0) + 4 * (v >= 2**31) + 8 * (v < -2**31) + 16 * (v >= 2**63)
 
 
-def _hooked() -> bool:
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(getattr(h, "calls", h) for h in hooks)
-
-
-def _launch_compiled(kernel, cache: dict, key: tuple, grid: tuple, args: tuple,
-                     num_warps: int, **options) -> None:
-    """Launch `kernel` on `grid` (3 ints) with `args` (every parameter, in signature order,
-    constexprs included) on the current CUDA stream: through Triton the first time `key` is
-    seen, then through the CompiledKernel that launch returned. key[0] is the current device's
-    index. options (enable_fp_fusion=False, ...) go to Triton's first launch; the key must hold
-    them."""
-    compiled = cache.get(key)
-    if compiled is None or _hooked():
-        cache[key] = kernel[grid](*args, num_warps=num_warps, **options)
-        return
-    compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(key[0]),
-                 compiled.function, compiled.packed_metadata, None, None, None, *args)
-
-
 def _arg_class(a):
-    """One argument's share of a launch key (what Triton specialises on, see above)."""
+    """One argument's share of a by-class key (what Triton specialises on, see above)."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if type(a) is int:  # noqa: E721 (a bool is a constexpr or an i1, keyed by its value)
@@ -104,20 +103,114 @@ def _arg_class(a):
     return type(a), a  # constexprs (bool, None, ...): by value
 
 
-# launch key -> CompiledKernel; a key starts with the device index and the kernel's id (kernels
-# are module-level objects that live as long as the process)
-_COMPILED: dict = {}
+def _hooked() -> bool:
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+
+
+def _direct_launch(compiled):
+    """f(gx, gy, gz, stream, *args) launching `compiled` (a CompiledKernel) with Triton's C launch
+    function, without the Python wrapper around it (CudaLauncher.__call__, which allocates scratch
+    memory, none for kernels that need none, and forwards). Done for the wrapper layouts known
+    here, triton 3.6 (the arguments flat) and 3.9 (a tuple, with annotations saying which are
+    constexprs), and only for kernels without scratch memory; otherwise f calls the wrapper."""
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    launch = getattr(run, "launch", None)
+    plain = (launch is not None and getattr(run, "global_scratch_size", 1) == 0
+             and getattr(run, "profile_scratch_size", 1) == 0
+             and not getattr(run, "gsan_enabled", False))
+    if plain and _TRITON_VERSION == (3, 6):
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+        def flat(gx, gy, gz, stream, *args):  # scratch x2, metadata, launch metadata, hooks x2
+            launch(gx, gy, gz, stream, function, coop, pdl, None, None, metadata, None, None, None,
+                   *args)
+        return flat
+    elif plain and _TRITON_VERSION == (3, 9):
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        annotations, signature = run.arg_annotations, run.kernel_signature
+
+        def as_tuple(gx, gy, gz, stream, *args):  # metadata, launch metadata, hooks x2, scratch x2
+            launch(gx, gy, gz, stream, function, coop, pdl, metadata, None, None, None, None, None,
+                   annotations, signature, args)
+        return as_tuple
+
+    def through_wrapper(gx, gy, gz, stream, *args):
+        run(gx, gy, gz, stream, function, metadata, None, None, None, *args)
+    return through_wrapper
+
+
+class KernelLauncher:
+    """Launches one @triton.jit kernel at the host cost of a dict lookup (see above).
+
+    The kernel's parameters must be its tensors first, then its other arguments (ints, floats,
+    bools, None; constexprs included), the layout of every kernel in ops/. options
+    (enable_fp_fusion=False, ...) go to Triton's compile; they are fixed per launcher.
+    """
+
+    def __init__(self, kernel, **options):
+        self.kernel = kernel
+        self.options = options
+        self._by_value: dict = {}  # by-value key -> _direct_launch of the compiled kernel
+        self._by_class: dict = {}
+
+    def __call__(self, grid: tuple, num_warps: int, tensors: tuple, scalars: tuple) -> None:
+        """kernel[grid](*tensors, *scalars, num_warps=num_warps, **options) on the current CUDA
+        stream (through Triton under the interpreter).
+
+        grid: 3 ints; tensors: CUDA tensors on the current device (no None: an unused optional
+        pointer gets a stand-in tensor and a constexpr flag); scalars: the remaining parameters in
+        signature order, each slot always of one type (the by-value key compares 1 == True).
+        """
+        if INTERPRETING:
+            self.kernel[grid](*tensors, *scalars, num_warps=num_warps, **self.options)
+            return
+        device = torch._C._cuda_getDevice()
+        ptrs = tuple(map(_DATA_PTR, tensors))
+        key = (device, num_warps, *map(_DTYPE, tensors), *map(_LOW_BITS, ptrs), *scalars)
+        entry = self._by_value.get(key)
+        if entry is None or _hooked():
+            entry = self._first_launch(key, grid, num_warps, tensors, scalars)
+            if entry is None:
+                return
+        entry(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), *ptrs,
+              *scalars)
+
+    def _first_launch(self, key, grid, num_warps, tensors, scalars):
+        """The launch entry of a by-value miss: from the by-class cache, or from a launch through
+        Triton (then None is returned: that launch ran). Every launch under a hook goes here."""
+        for s in scalars:
+            if isinstance(s, torch.Tensor):
+                raise ValueError(f"{self.kernel.__name__}: a tensor among the scalar arguments "
+                                 f"(tensors come first in the kernel's signature)")
+        class_key = (key[0], num_warps, *map(_arg_class, tensors), *map(_arg_class, scalars))
+        entry = self._by_class.get(class_key)
+        if entry is None or _hooked():
+            compiled = self.kernel[grid](*tensors, *scalars, num_warps=num_warps, **self.options)
+            entry = self._by_class[class_key] = _direct_launch(compiled)
+            launched = True
+        else:
+            launched = False
+        if len(self._by_value) >= _MAX_BY_VALUE:
+            self._by_value.clear()
+        self._by_value[key] = entry
+        return None if launched else entry
+
+
+# (kernel, options) -> its KernelLauncher, for `launch`
+_LAUNCHERS: dict = {}
 
 
 def launch(kernel, grid: tuple, args: tuple, num_warps: int, **options) -> None:
-    """kernel[grid](*args, num_warps=num_warps, **options) with the host cost of a cached
-    launch (`_launch_compiled`) on CUDA; through Triton under the interpreter. args: every
-    parameter of the kernel in signature order, constexprs included, as positional values
-    (tensors, ints, floats, bools, None); grid: 1 to 3 ints."""
-    grid = (*grid, 1, 1)[:3]
-    if INTERPRETING:
-        kernel[grid](*args, num_warps=num_warps, **options)
-        return
-    key = (torch.cuda.current_device(), id(kernel), num_warps, *options.items(),
-           *map(_arg_class, args))
-    _launch_compiled(kernel, _COMPILED, key, grid, args, num_warps, **options)
+    """kernel[grid](*args, num_warps=num_warps, **options) through the kernel's KernelLauncher
+    (one per kernel and options). args: every parameter of the kernel in signature order,
+    constexprs included, tensors first; grid: 1 to 3 ints. KernelLauncher's call skips the
+    search for where the tensors end; the per-layer kernels of ops/ use it directly."""
+    launcher_key = (kernel, *options.items())
+    launcher = _LAUNCHERS.get(launcher_key)
+    if launcher is None:
+        launcher = _LAUNCHERS[launcher_key] = KernelLauncher(kernel, **options)
+    n = 0
+    while n < len(args) and isinstance(args[n], torch.Tensor):
+        n += 1
+    launcher((*grid, 1, 1)[:3], num_warps, args[:n], args[n:])
