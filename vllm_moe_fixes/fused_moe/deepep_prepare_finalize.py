@@ -377,7 +377,9 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     Neither DeepEP's nor TorchAll2AllBuffer's low-latency calls read the device on the host, so a
     layer call can be captured in a CUDA graph: with one rank as it is; with several, as one pass
     (M <= min(VLLM_FUSED_MOE_CHUNK_SIZE, max_tokens_per_rank) on every rank) or, given
-    max_tokens_across_ranks, in its passes (num_chunks).
+    max_tokens_across_ranks, in its passes (num_chunks). Both halves (send, receive) of each
+    dispatch and combine run on the caller's stream, the receiving one through DeepEP's
+    return_recv_hook, called at once (as vLLM runs them).
 
     Arguments:
         buffer: a low-latency ``deep_ep.Buffer`` or ``TorchAll2AllBuffer(low_latency_mode=True)``
@@ -420,10 +422,15 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             raise ValueError(f"{a1.shape[0]} tokens exceed max_tokens_per_rank={n}")
         a1 = weighted_input(a1, topk_weights, apply_router_weight_on_input).contiguous()
         # DeepEP takes int64 ids; combine needs them too
-        ids = topk_ids.to(torch.int64).contiguous()
+        ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
+            topk_ids.to(torch.int64).contiguous()
         self._stamp_pass()
-        recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
-            a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch)
+        # The receiving half runs at once, through the hook, on this stream: without the hook
+        # DeepEP runs both halves on its own stream, fenced by an event on each side (two CUDA
+        # events made, recorded and waited for on the host, per dispatch and per combine).
+        recv_x, counts, handle, _, receive = self.buffer.low_latency_dispatch(
+            a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch, return_recv_hook=True)
+        receive()
         self._pending = (handle, ids)
         a1q, a1s = recv_x if self.use_fp8_dispatch else quant_batched_fp8(recv_x)
         return PrepareResult(a1q=a1q, a1q_scale=a1s, expert_num_tokens=counts)
@@ -435,9 +442,13 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         handle, ids = self._take_pending()
         if apply_router_weight_on_input:
             weights = torch.ones_like(topk_weights, dtype=torch.float32)
+        elif topk_weights.dtype == torch.float32 and topk_weights.is_contiguous():
+            weights = topk_weights
         else:
             weights = topk_weights.float().contiguous()
-        self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle, out=output)
+        _, _, receive = self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle,
+                                                        out=output, return_recv_hook=True)
+        receive()  # as in prepare
 
 
 class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
