@@ -1,6 +1,7 @@
 """Helpers every Triton kernel of the package shares: the interpreter flag, a cheap host-side
 power of two, the device roundings the interpreter gets wrong, and a launch that skips Triton's
-per-call argument binding (`launch`). Nothing here quantises.
+per-call argument binding (`KernelLauncher`, one per kernel; `launch` for a one-off call site).
+Nothing here quantises.
 """
 
 import operator
