@@ -137,6 +137,12 @@ def _takes_psum_layout(contiguous: Any) -> bool:
     return _takes_kwarg(contiguous, "use_psum_layout")
 
 
+def contiguous_layout_form() -> str:
+    """Which form of the contiguous layout m_grouped_fp8_gemm_nt_contiguous hands DeepGEMM when it
+    is given expert_ends: "psum" (the build takes use_psum_layout) or "m_indices"."""
+    return "psum" if _takes_psum_layout(_api("DeepGemmExperts").contiguous) else "m_indices"
+
+
 def m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices, expert_ends=None) -> None:
     """DeepGEMM's contiguous grouped FP8 GEMM: out[i] = a[i] @ b[m_indices[i]]^T.
 

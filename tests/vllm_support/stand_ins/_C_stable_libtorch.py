@@ -27,8 +27,17 @@ _LIB.define("per_token_group_fp8_quant(Tensor input, Tensor(a!) output_q, Tensor
             "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned) -> ()")
 
 
+# A benchmark that times a vLLM path through this op may set CUDA_QUANT to a one-launch kernel of
+# the same recipe for CUDA inputs (called with this op's arguments but the two layout flags, the
+# scales' strides being out_s's own): vLLM's CUDA kernel is one launch, the torch below is several.
+CUDA_QUANT = None
+
+
 def _per_token_group_fp8_quant(x, out_q, out_s, group_size, eps, fp8_min, fp8_max, ue8m0,
                                _transposed, _tma_aligned):
+    if CUDA_QUANT is not None and x.is_cuda:
+        CUDA_QUANT(x, out_q, out_s, group_size, eps, fp8_min, fp8_max, ue8m0)
+        return
     groups = x.float().unflatten(-1, (x.shape[-1] // group_size, group_size))
     scale = groups.abs().amax(-1).clamp(min=eps) / fp8_max
     if ue8m0:
