@@ -271,6 +271,7 @@ def vllm_deep_gemm_layer():
         from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
             MoEPrepareAndFinalizeNoDPEPModular,
         )
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
         from vllm.v1.worker.workspace import init_workspace_manager
         import vllm._C_stable_libtorch as compiled_ops
     except Exception as exc:  # noqa: BLE001 (any import failure: the row says which)
@@ -283,6 +284,9 @@ def vllm_deep_gemm_layer():
         else:
             stand_ins = "_C.per_token_group_fp8_quant: torch stand-in (penalises vLLM)"
     init_workspace_manager(torch.device("cuda"))
+    # vLLM 0.33's default (VLLM_USE_DEEP_GEMM_E8M0=1): on SM90 its activation scales are float32
+    # rounded up to powers of two; DeepGEMM's SM90 kernel is the same either way.
+    stand_ins += f"; activation scales rounded to powers of two: {is_deep_gemm_e8m0_used()}"
     E = LOCAL_NUM_EXPERTS
 
     def make(w):
