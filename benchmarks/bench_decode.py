@@ -124,6 +124,20 @@ class StageTimer:
         self.inclusive, self.own, self.calls = {}, {}, {}
         self._children: list[float] = []  # per open stage: time of its wrapped callees
 
+    def wrap_hooked(self, name: str, fn):
+        """wrap(name, fn), and the receive hook fn returns last (DeepEP's return_recv_hook) timed
+        as its own stage where the caller calls it."""
+        hook_name = f"{name} hook"
+        self.wrap(hook_name, None)
+        timed = self.wrap(name, fn)
+
+        def with_timed_hook(*args, **kwargs):
+            result = timed(*args, **kwargs)
+            if isinstance(result, tuple) and callable(result[-1]):
+                result = (*result[:-1], self.wrap(hook_name, result[-1]))
+            return result
+        return with_timed_hook
+
     def wrap(self, name: str, fn):
         for table in (self.inclusive, self.own, self.calls):
             table.setdefault(name, 0)
@@ -191,7 +205,8 @@ def host_profile(kernel, buffer, fn, calls: int, rounds: int, per_sync: int = 32
              for owner, attr, _ in patches]
     try:
         for owner, attr, name in patches:
-            setattr(owner, attr, timer.wrap(name, getattr(owner, attr)))
+            wrap = timer.wrap_hooked if attr.startswith("low_latency_") else timer.wrap
+            setattr(owner, attr, wrap(name, getattr(owner, attr)))
         whole = timer.wrap("layer call", fn)
         loop(whole)
     finally:

@@ -1,14 +1,21 @@
 """What the eager decode path keeps from one call to the next instead of deciding it again, and
 that each kept decision is still taken again where it may change: DeepGEMM's masked GEMM checks
 its API and the device's architecture once per device and resolved API (a refusal is raised at
-every call, never kept)."""
+every call, never kept); the modular kernel builds the experts' output view once per workspace
+and shape (a new shape or a grown workspace gets its own; one that does not fit is refused at
+every call)."""
 
 import types
 
 import pytest
 import torch
+from _layer import check_close, make_problem, reference, run
+from test_batched_experts import LocalBatchedPrepareAndFinalize
 
 from vllm_moe_fixes._compat import deep_gemm as compat
+from vllm_moe_fixes.fused_moe import BatchedTritonExperts, FusedMoEModularKernel
+from vllm_moe_fixes.fused_moe.modular_kernel import _experts_output_view
+from vllm_moe_fixes.fused_moe.workspaces import Workspaces, views_cached_on
 
 
 @pytest.fixture
@@ -71,3 +78,41 @@ def test_masked_gemm_refusal_is_raised_at_every_call(fake_masked):
         with pytest.raises(RuntimeError, match="cannot run on CUDA device 2"):
             compat.m_grouped_fp8_gemm_nt_masked(_operand(2), None, None, None, 1)
     assert fake_masked["calls"] == [] and len(fake_masked["checks"]) == 2
+
+
+def test_experts_output_view_once_per_workspace_and_shape():
+    spaces = Workspaces()
+    ws13, ws2 = spaces.get((4, 8), (2, 8), torch.device("cpu"), torch.bfloat16)
+    first = views_cached_on(ws13, ws2, _experts_output_view, (2, 8), "X")
+    assert views_cached_on(ws13, ws2, _experts_output_view, (2, 8), "X") is first
+    other = views_cached_on(ws13, ws2, _experts_output_view, (3, 8), "X")
+    assert other is not first and other.shape == (3, 8)
+    assert other.data_ptr() == first.data_ptr() == ws13.data_ptr()
+    for _ in range(2):  # a refusal is never kept
+        with pytest.raises(ValueError, match=r"X.workspace_shapes: out_shape \(5, 8\) does not "
+                                             r"fit in workspace13 \(4, 8\)"):
+            views_cached_on(ws13, ws2, _experts_output_view, (5, 8), "X")
+    grown13, grown2 = spaces.get((16, 8), (2, 8), torch.device("cpu"), torch.bfloat16)
+    assert grown13.data_ptr() != ws13.data_ptr()
+    again = views_cached_on(grown13, grown2, _experts_output_view, (2, 8), "X")
+    assert again.data_ptr() == grown13.data_ptr()
+
+
+class _OversizedOutput(BatchedTritonExperts):
+    """Declares an output one row longer than its workspace13."""
+
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
+        ws13, ws2, out = super().workspace_shapes(M, I, K, topk, local_num_experts)
+        return ws13, ws2, (out[0] * out[1] * (ws13[2] // K) + 1, K)
+
+
+def test_kernel_output_view_follows_the_shape_and_refuses_what_does_not_fit():
+    E, k = 8, 2
+    kernel = FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(64), BatchedTritonExperts())
+    for M in (5, 3, 5):  # the same shape twice, another between: each call's own output
+        p = make_problem(M, k, E, 128, 256, seed=M)
+        check_close(run(kernel, p, E), reference(p))
+    oversized = FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(64), _OversizedOutput())
+    for _ in range(2):
+        with pytest.raises(ValueError, match="_OversizedOutput.workspace_shapes: out_shape"):
+            run(oversized, make_problem(3, k, E, 128, 256), E)

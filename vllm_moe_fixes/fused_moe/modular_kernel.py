@@ -44,7 +44,7 @@ from vllm_moe_fixes.fused_moe.kernel_checks import (
     check_layer_call,
     check_weights_finite,
 )
-from vllm_moe_fixes.fused_moe.workspaces import Workspaces
+from vllm_moe_fixes.fused_moe.workspaces import Workspaces, views_cached_on
 from vllm_moe_fixes.sizes import cdiv, expected_rows_per_expert
 
 
@@ -265,10 +265,8 @@ class FusedMoEModularKernel:
         if reduced and pf.passes_reduced_output_through:
             fused_out = output
         else:
-            if math.prod(out_shape) > ws13.numel():
-                raise ValueError(f"{type(experts).__name__}.workspace_shapes: out_shape "
-                                 f"{out_shape} does not fit in workspace13 {ws13_shape}")
-            fused_out = ws13.view(-1)[:math.prod(out_shape)].view(out_shape)
+            fused_out = views_cached_on(ws13, ws2, _experts_output_view, tuple(out_shape),
+                                        type(experts).__name__)
         if rows > 0:  # rows == 0: out_shape has a zero dimension, fused_out is empty
             expected_m = None if standard else expected_rows_per_expert(
                 pf.max_num_tokens_per_rank(), pf.num_dispatchers(), topk,
@@ -283,6 +281,16 @@ class FusedMoEModularKernel:
                         output_is_reduced=reduced)
         else:  # a finalize of the signature before output_is_reduced (experts that do not reduce)
             pf.finalize(output, fused_out, topk_weights, topk_ids, on_input)
+
+
+def _experts_output_view(ws13: torch.Tensor, ws2: torch.Tensor, out_shape: tuple,
+                         experts_name: str) -> torch.Tensor:
+    """The experts' output: a view of out_shape at the start of workspace13 (ValueError naming
+    the experts when it does not fit). Built once per workspace and shape (views_cached_on)."""
+    if math.prod(out_shape) > ws13.numel():
+        raise ValueError(f"{experts_name}.workspace_shapes: out_shape {out_shape} does not fit in "
+                         f"workspace13 {tuple(ws13.shape)}")
+    return ws13.view(-1)[:math.prod(out_shape)].view(out_shape)
 
 
 def _takes_output_is_reduced(prepare_finalize: PrepareAndFinalize) -> bool:
