@@ -4,6 +4,8 @@ Run from the repository root on a GPU:
 
     python -m benchmarks.bench_grouped_gemm          # table, benchmarks/results/grouped_gemm.json
     python -m benchmarks.bench_grouped_gemm --sweep  # also TFLOP/s of every SWEEP config per shape
+    python -m benchmarks.bench_grouped_gemm --compile-only 0,1 &   # Triton's cache, in parallel
+    python -m benchmarks.bench_grouped_gemm --warm-deepgemm --shapes 0,1 &  # DeepGEMM's JIT cache
 
 TFLOP/s count useful rows only: 2 * groups * rows * N * K. Anchors measured in the same run:
 DeepGEMM when it imports (through vllm_moe_fixes._compat.deep_gemm), torch._scaled_mm FP8 dense
@@ -51,13 +53,15 @@ def _cfg(bm, bn, warps, stages, group_m, **flags):
 
 
 # Candidates of --sweep: the default (first; see the measured table in ops/grouped_gemm.py) and
-# its neighbours, so a GPU run re-checks the choice in about a minute. Shared memory per stage is
-# 24 KiB at 64x128, 32 KiB at 128x128 (an SM has 228 KiB).
+# the larger tiles that SPLIT_M / SPLIT_N let fit in registers. Shared memory per stage is
+# 24 KiB at 64x128, 32 KiB at 128x128, 40 KiB at 64x256, 48 KiB at 128x256 (an SM has 228 KiB);
+# the one-warpgroup split tiles hold about 200 registers a thread, so two CTAs share an SM.
 SWEEP = [
-    _cfg(64, 128, 4, 3, 16), _cfg(64, 128, 4, 3, 16, IMPRECISE_ACC=64),
-    _cfg(64, 128, 4, 3, 16, IMPRECISE_ACC=32), _cfg(128, 128, 8, 4, 16),
-    _cfg(64, 128, 4, 3, 16, WARP_SPECIALIZE=True), _cfg(128, 128, 8, 3, 16, WARP_SPECIALIZE=True),
-    _cfg(128, 128, 4, 3, 16, WARP_SPECIALIZE=True), _cfg(128, 256, 8, 3, 16, WARP_SPECIALIZE=True),
+    _cfg(64, 128, 4, 3, 16), _cfg(64, 128, 4, 3, 32),
+    _cfg(128, 128, 4, 3, 16, SPLIT_M=2), _cfg(128, 128, 4, 2, 16, SPLIT_M=2),
+    _cfg(64, 256, 4, 2, 16, SPLIT_N=2), _cfg(128, 128, 8, 3, 16, SPLIT_N=2),
+    _cfg(128, 256, 8, 3, 16, SPLIT_N=2), _cfg(128, 256, 8, 4, 16, SPLIT_N=2),
+    _cfg(128, 256, 8, 3, 8, SPLIT_N=2), _cfg(128, 256, 8, 3, 16, SPLIT_N=2, WARP_SPECIALIZE=True),
 ]
 
 
@@ -73,7 +77,9 @@ def timed_us(fn) -> float:
 
 def config_name(cfg: dict) -> str:
     flags = (f" acc{cfg['IMPRECISE_ACC']}" if cfg.get("IMPRECISE_ACC") else "") + (
-        " ws" if cfg.get("WARP_SPECIALIZE") else "")
+        " ws" if cfg.get("WARP_SPECIALIZE") else "") + (
+        " split-m" if cfg.get("SPLIT_M", 1) > 1 else "") + (
+        " split-n" if cfg.get("SPLIT_N", 1) > 1 else "")
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} {cfg['num_warps']}w {cfg['num_stages']}s "
             f"g{cfg['GROUP_M']}{flags}")
 
@@ -119,9 +125,9 @@ def run_shape(shape, figure, sweep):
             out.fill_(float("nan"))
             try:
                 us = timed_us(lambda c=cfg: grouped_fp8_gemm_contiguous_triton(a, w, out, m_idx, c))
-                # Every config must agree with the first one (the default config).
+                # Every config must agree with the first one (the default config), bit for bit.
                 ref = out.clone() if ref is None else ref
-                diff = calc_diff(out, ref)
+                diff, equal = calc_diff(out, ref), torch.equal(out, ref)
                 out.fill_(float("nan"))  # the masked view of the same rows writes them again
                 us_m = timed_us(lambda c=cfg: grouped_fp8_gemm_masked_triton(am, w, out_m, masked_m,
                                                                              rows, c))
@@ -129,11 +135,13 @@ def run_shape(shape, figure, sweep):
                 print(f"  {shape} {config_name(cfg)}: failed ({type(exc).__name__}: "
                       f"{str(exc)[:80]})")
                 continue
-            diff_m = calc_diff(out, ref)
+            diff_m, equal_m = calc_diff(out, ref), torch.equal(out, ref)
             rec["sweep"].append(dict(config=cfg, us=us, tflops=tflops(flops, us), diff=diff,
-                                     masked_tflops=tflops(flops, us_m), masked_diff=diff_m))
-            bad = "  WRONG" if not max(diff, diff_m) < 1e-5 else ""
-            print(f"  {shape} {config_name(cfg):<18} {tflops(flops, us):7.1f} TFLOP/s, masked "
+                                     masked_tflops=tflops(flops, us_m), masked_diff=diff_m,
+                                     equal_to_default=equal and equal_m))
+            bad = "" if equal and equal_m else (
+                "  WRONG" if not max(diff, diff_m) < 1e-5 else "  not bit-equal")
+            print(f"  {shape} {config_name(cfg):<26} {tflops(flops, us):7.1f} TFLOP/s, masked "
                   f"{tflops(flops, us_m):7.1f} (diff vs default {diff:.1e} / {diff_m:.1e}{bad})")
         if not rec["sweep"]:
             sys.exit(f"no config of SWEEP ran on {shape}")
@@ -192,27 +200,38 @@ def print_results(records):
           f"{triton.__version__}, torch {torch.__version__}, DeepGEMM "
           f"{'present' if dg.is_available() else 'absent'})")
     print_table(rows, list(rows[0]))
-    print("ratio = Triton / DeepGEMM (same run, target >= 0.70); v2.6.1 ratio = Triton / "
+    print("ratio = Triton / DeepGEMM (same run, target >= 0.85); v2.6.1 ratio = Triton / "
           "DeepGEMM v2.6.1's TFLOP/s on an H200; _scaled_mm is tensorwise FP8 (a ceiling).")
 
 
+def _geomean(values):
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
 def print_sweep(records):
-    """Per kernel, one row per config: TFLOP/s on each shape and the geometric mean of its ratio
-    to the best config of each shape."""
-    for key, kernel in (("tflops", "contiguous"), ("masked_tflops", "masked")):
+    """Per kernel, one row per config: TFLOP/s on each shape, the geometric mean of its ratio
+    to the best config of each shape, and (DeepGEMM present) its lowest and geometric-mean ratio
+    to DeepGEMM's same-layout TFLOP/s in this run."""
+    for key, dg_key, kernel in (("tflops", "deepgemm_tflops", "contiguous"),
+                                ("masked_tflops", "deepgemm_masked_tflops", "masked")):
         rows = []
         for cfg in SWEEP:
-            row, ratios = {"config": config_name(cfg)}, []
+            row, ratios, dg_ratios = {"config": config_name(cfg)}, [], []
             for r in records:
                 hit = [s for s in r["sweep"] if s["config"] is cfg]
                 row[f"{r['groups']}x{r['rows']} {r['N']}/{r['K']}"] = hit[0][key] if hit else "-"
                 if hit:
                     ratios.append(hit[0][key] / r["best_" + key])
-            row["vs best (geomean)"] = (math.exp(sum(map(math.log, ratios)) / len(ratios))
-                                        if len(ratios) == len(records) else "-")
+                    if r.get(dg_key):
+                        dg_ratios.append(hit[0][key] / r[dg_key])
+            full = len(ratios) == len(records)
+            row["vs best (geomean)"] = _geomean(ratios) if full else "-"
+            with_dg = len(dg_ratios) == len(records)
+            row["/DG min"] = min(dg_ratios) if with_dg else "-"
+            row["/DG geomean"] = _geomean(dg_ratios) if with_dg else "-"
             rows.append(row)
-        print(f"\nSweep, {kernel} kernel: TFLOP/s per config and shape; last column 1.0 = best "
-              "on every shape")
+        print(f"\nSweep, {kernel} kernel: TFLOP/s per config and shape; 'vs best' 1.0 = best "
+              "on every shape; /DG = ratio to DeepGEMM's TFLOP/s of the same layout, this run")
         print_table(rows, list(rows[0]))
 
 
@@ -300,7 +319,7 @@ def vllm_test_reference(a, w1, w1_s, w2, w2_s, weights, ids):
 def layer_tolerance():
     """tol-usage max|out - ref| / (tol + tol * |ref|) of our layer (Triton experts) on each GEMM
     variant, and with the exact GEMM in its place, at VLLM_FAILING_CASES (> 1 fails vLLM)."""
-    from vllm_moe_fixes.fused_moe import contiguous_experts
+    from vllm_moe_fixes.fused_moe import experts_steps  # its contiguous_gemm calls the launcher
     records = []
     for M, N, K, E, k in VLLM_FAILING_CASES:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -315,18 +334,17 @@ def layer_tolerance():
         kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
         variants = dict(ACCURACY_VARIANTS, exact_gemm=None)
         for name, cfg in variants.items():
-            launcher = contiguous_experts.grouped_fp8_gemm_contiguous_triton
+            launcher = experts_steps.grouped_fp8_gemm_contiguous_triton
             if cfg is None:  # the exact GEMM (float64 block products) in the layer's place
-                contiguous_experts.grouped_fp8_gemm_contiguous_triton = \
-                    grouped_fp8_gemm_contiguous_ref
+                experts_steps.grouped_fp8_gemm_contiguous_triton = grouped_fp8_gemm_contiguous_ref
             else:
-                contiguous_experts.grouped_fp8_gemm_contiguous_triton = \
+                experts_steps.grouped_fp8_gemm_contiguous_triton = \
                     lambda a_, w_, o_, m_, c=cfg: launcher(a_, w_, o_, m_, c)
             try:
                 out = kernel(a, w1, w2, weights, ids.to(torch.int32), w1_scale=w1_s,
                              w2_scale=w2_s, global_num_experts=E).float()
             finally:
-                contiguous_experts.grouped_fp8_gemm_contiguous_triton = launcher
+                experts_steps.grouped_fp8_gemm_contiguous_triton = launcher
             d = (out - ref).abs()
             rec[name] = dict(tol_usage=float((d / (tol + tol * ref.abs())).max()),
                              max_abs=float(d.max()),
@@ -337,6 +355,37 @@ def layer_tolerance():
     return records
 
 
+def compile_only(indices):
+    """Compile the SWEEP configs `indices` (both kernels) on a small problem with the bench
+    shapes' specialisations (every size and stride a multiple of 16), so that a later --sweep
+    in another process loads them from Triton's cache; several such processes compile at once."""
+    a, w, m_idx = make_inputs(2, 256, 512, 512)
+    out = torch.empty(512, 512, device="cuda", dtype=torch.bfloat16)
+    am = masked_view(a, 2, 256)
+    masked_m = torch.full((2,), 256, device="cuda", dtype=torch.int32)
+    for i in indices:
+        try:
+            grouped_fp8_gemm_contiguous_triton(a, w, out, m_idx, SWEEP[i])
+            grouped_fp8_gemm_masked_triton(am, w, out.view(2, 256, 512), masked_m, 256, SWEEP[i])
+            torch.cuda.synchronize()
+            print(f"compiled [{i}] {config_name(SWEEP[i])}")
+        except Exception as exc:  # noqa: BLE001 (out of resources, ...): the sweep reports it
+            print(f"{config_name(SWEEP[i])}: failed ({type(exc).__name__}: {str(exc)[:80]})")
+
+
+def warm_deepgemm(shapes):
+    """One call of DeepGEMM's contiguous and masked GEMM per shape (its JIT cache)."""
+    for groups, rows, N, K in shapes:
+        a, w, m_idx = make_inputs(groups, rows, N, K)
+        out = torch.empty(groups * rows, N, device="cuda", dtype=torch.bfloat16)
+        masked_m = torch.full((groups,), rows, device="cuda", dtype=torch.int32)
+        dg.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_idx)
+        dg.m_grouped_fp8_gemm_nt_masked(masked_view(a, groups, rows), w,
+                                        out.view(groups, rows, N), masked_m, rows)
+        torch.cuda.synchronize()
+        print(f"DeepGEMM ready for {(groups, rows, N, K)}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time every config of SWEEP too")
@@ -344,8 +393,18 @@ def main():
                         help="comma-separated indices into the shape list (default: all)")
     parser.add_argument("--accuracy", action="store_true",
                         help="only the accuracy checks (grouped_gemm_accuracy.json)")
+    parser.add_argument("--configs", default="all",
+                        help="--sweep: comma-separated indices into SWEEP (default: all)")
+    parser.add_argument("--compile-only", metavar="I,J,...",
+                        help="only compile these SWEEP configs (indices, or 'all')")
+    parser.add_argument("--warm-deepgemm", action="store_true",
+                        help="only call DeepGEMM once per shape (fills its JIT cache)")
     args = parser.parse_args()
     require_cuda("bench_grouped_gemm")
+    if args.compile_only:
+        compile_only(range(len(SWEEP)) if args.compile_only == "all" else
+                     [int(i) for i in args.compile_only.split(",")])
+        return
     if args.accuracy:
         acc = gemm_accuracy()
         print("GEMM against the exact block product (vLLM-test operands):")
@@ -356,7 +415,12 @@ def main():
     shapes = list(SHAPES.items())
     if args.shapes != "all":
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+    if args.warm_deepgemm:
+        warm_deepgemm([shape for shape, _ in shapes])
+        return
 
+    if args.configs != "all":  # the first one stays the reference of the others' bits
+        SWEEP[:] = [SWEEP[int(i)] for i in args.configs.split(",")]
     torch.manual_seed(0)
     records = [run_shape(shape, fig, args.sweep) for shape, fig in shapes]
     if args.sweep:
