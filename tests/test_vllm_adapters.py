@@ -3,6 +3,8 @@ vllm_moe_fixes.integrations.vllm) against our own FusedMoEModularKernel: bit for
 both take the same torch references. Also the adapters' mappings (N = 2I, finalize's reduction,
 ids) and their refusals. Skipped where vllm does not import."""
 
+import math
+
 import pytest
 import torch
 
@@ -44,6 +46,24 @@ from vllm_moe_fixes.integrations.vllm import (  # noqa: E402
 from vllm_moe_fixes.testing import random_fp8_moe_weights  # noqa: E402
 
 K, I = 256, 128
+
+
+def init_workspace_manager() -> None:
+    """vLLM's process-wide WorkspaceManager, once. vLLM's kernel takes its workspaces from it on
+    every platform but the CPU (an engine's model runner makes it; a test has to): on a GPU
+    machine on the GPU, as the engine does, whatever device a test's inputs are on."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker import workspace
+    if current_platform.is_cpu() or workspace.is_workspace_manager_initialized():
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    workspace.init_workspace_manager(device)
+
+
+@pytest.fixture(autouse=True)
+def workspace_manager():
+    init_workspace_manager()
 
 
 def moe_config(E, k, local_experts=None, parallel=None, **changes):
@@ -329,3 +349,40 @@ def test_experts_compute_on_the_inputs_device_whatever_device_vllms_workspaces_a
     assert torch.equal(got, want)
     elsewhere = call("meta", torch.empty(out_shape, dtype=torch.bfloat16, device="meta"))
     assert elsewhere.device.type == "meta"  # written by a copy, no error
+
+
+def test_experts_reuse_their_views_when_vllm_hands_fresh_views_of_the_same_workspace():
+    """vLLM's WorkspaceManager hands fresh views of one buffer on every call; our experts keep
+    the views they carve on the workspace objects, so the adapter passes them the first views
+    it got of the same memory and shapes. A new buffer (vLLM's grew) replaces the old views."""
+    E, k = 8, 2
+    w, x, tw, ti = problem(9, E, k, seed=6)
+    ex = VllmTritonExperts(moe_config(E, k), block_quant_config(w))
+    ex._workspaces_kept_by_vllm = True  # as on a GPU platform (vLLM allocates per call on CPU)
+    a1q, a1s, *_ = VllmNoEPPrepareAndFinalize().prepare(x, tw, ti, E, None, False,
+                                                        block_quant_config(w), False)
+    shapes = ex.workspace_shapes(9, 2 * I, K, k, E, E, None, MoEActivation.SILU)
+    handed = []
+    ours_apply = ex.experts.apply
+    ex.experts.apply = lambda *a, **kw: (handed.append((kw["workspace13"], kw["workspace2"])),
+                                         ours_apply(*a, **kw))
+
+    def call(buffer):  # what vLLM's get_simultaneous returns: fresh views of one buffer
+        n13, n2 = (math.prod(s) for s in shapes[:2])
+        ws13, ws2 = buffer[:n13].view(shapes[0]), buffer[n13:n13 + n2].view(shapes[1])
+        out = torch.full(shapes[2], float("nan"), dtype=torch.bfloat16)
+        ex.apply(out, a1q, w.w1, w.w2, tw, ti, MoEActivation.SILU, E, None, a1s, None, ws13, ws2,
+                 None, False)
+        return out
+
+    size = sum(math.prod(s) for s in shapes[:2])
+    first = torch.empty(size, dtype=torch.bfloat16)
+    outs = [call(first), call(first)]
+    assert handed[0][0] is handed[1][0] and handed[0][1] is handed[1][1]
+    bigger = torch.empty(2 * size, dtype=torch.bfloat16)
+    outs.append(call(bigger))
+    assert handed[2][0].data_ptr() == bigger.data_ptr()
+    assert all(v[0].untyped_storage().data_ptr() == bigger.data_ptr()
+               for v in ex._workspace_views.values())  # the first buffer's views let go
+    assert outs[0].abs().sum() > 0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -1,8 +1,9 @@
-"""The vLLM adapters on a GPU, NOT YET RUN (written while no device was lent; see the README's "vLLM
-plugin" section for how to run them): vLLM's FusedMoEKernel (its WorkspaceManager handing fresh
-views each call) with our prepare/finalize and experts against our own FusedMoEModularKernel, bit
-for bit, with the Triton experts and with real DeepGEMM; the low-latency adapter over a real
-``deep_ep.Buffer`` at world size 1. Skipped without vllm, a CUDA GPU, or the library a test needs.
+"""The vLLM adapters on a GPU (tests/vllm_support/device_run.sh runs them against vLLM 0.33's
+Python tree): vLLM's FusedMoEKernel (its WorkspaceManager handing fresh views each call) with our
+prepare/finalize and experts against our own FusedMoEModularKernel, bit for bit, with the Triton
+experts and with real DeepGEMM; the low-latency adapter over a real ``deep_ep.Buffer`` at world
+size 1 with the batched Triton and DeepGEMM experts. Skipped without vllm, a CUDA GPU, or the
+library a test needs.
 """
 
 import pytest
@@ -13,7 +14,11 @@ pytest.importorskip("vllm")
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
 
-from test_vllm_adapters import block_quant_config, moe_config  # noqa: E402
+from test_vllm_adapters import (  # noqa: E402
+    block_quant_config,
+    init_workspace_manager,
+    moe_config,
+)
 from vllm_moe_fixes import fused_moe as ours  # noqa: E402
 from vllm_moe_fixes.integrations.vllm import experts as adapters  # noqa: E402
 from vllm_moe_fixes.integrations.vllm import prepare_finalize as pfs  # noqa: E402
@@ -22,16 +27,9 @@ from vllm_moe_fixes.testing import random_fp8_moe_weights  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def _init_workspace_manager():
-    """vLLM's process-wide WorkspaceManager, which its kernel takes workspaces from on CUDA."""
-    from vllm.v1.worker import workspace
-    if not workspace.is_workspace_manager_initialized():
-        workspace.init_workspace_manager(torch.device("cuda", torch.cuda.current_device()))
-
-
 @pytest.fixture
 def workspace_manager():
-    _init_workspace_manager()
+    init_workspace_manager()
 
 
 def _problem(M, E, K, I, k, seed):
@@ -66,16 +64,23 @@ def test_vllm_kernel_with_adapters_equals_ours_on_gpu(workspace_manager, pair, M
 
 
 @pytest.mark.deep_ep
-def test_low_latency_adapter_over_real_deepep_at_world_size_1():
+@pytest.mark.parametrize("experts", [
+    ("VllmBatchedTritonExperts", "BatchedTritonExperts"),
+    pytest.param(("VllmBatchedDeepGemmExperts", "BatchedDeepGemmExperts"),
+                 marks=pytest.mark.deep_gemm),
+], ids=["triton", "deep_gemm"])
+def test_low_latency_adapter_over_real_deepep_at_world_size_1(experts):
     from _dist import run_distributed
-    assert all(run_distributed(_ll_world_size_1, 1, backend="nccl"))
+    assert all(run_distributed(_ll_world_size_1, 1, *experts, backend="nccl"))
 
 
-def _ll_world_size_1(rank, world_size):
+def _ll_world_size_1(rank, world_size, vllm_cls_name, our_cls_name):
+    """N = 128 tokens per rank: the batched experts' slices of R*N = 128 rows, a multiple of
+    DeepGEMM's masked tile."""
     import torch.distributed as dist
 
     from vllm_moe_fixes.distributed import make_all2all_buffer
-    _init_workspace_manager()
+    init_workspace_manager()
     E, K, I, k, N = 32, 2048, 512, 4, 128
     w, x, tw, ti = _problem(100, E, K, I, k, seed=5)
     buffer = make_all2all_buffer("deepep_low_latency", dist.group.WORLD, max_tokens_per_rank=N,
@@ -84,12 +89,28 @@ def _ll_world_size_1(rank, world_size):
                      device="cuda")
     pf = pfs.VllmDeepEPLLPrepareAndFinalize(buffer, max_tokens_per_rank=N, num_dispatchers=1,
                                             hidden=K, num_experts=E)
-    experts = adapters.VllmBatchedTritonExperts(cfg, block_quant_config(w), max_num_tokens=N,
-                                                num_dispatchers=1)
+    experts = getattr(adapters, vllm_cls_name)(cfg, block_quant_config(w), max_num_tokens=N,
+                                               num_dispatchers=1)
     out = mk.FusedMoEKernel(pf, experts).apply(x, w.w1, w.w2, tw, ti, MoEActivation.SILU, E,
                                                None, False)
     want = ours.FusedMoEModularKernel(
         ours.DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=1, max_tokens_per_rank=N),
-        ours.BatchedTritonExperts())(x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale,
-                                     w2_scale=w.w2_scale, global_num_experts=E)
+        getattr(ours, our_cls_name)())(x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale,
+                                       w2_scale=w.w2_scale, global_num_experts=E)
     return bool(torch.equal(out, want) and out.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("deep_gemm", [
+    False, pytest.param(True, marks=pytest.mark.deep_gemm)], ids=["triton", "deep_gemm"])
+def test_fused_moe_layer_through_the_hook_on_gpu(deep_gemm, monkeypatch):
+    """vLLM's own FusedMoE layer (FusedMoEFactory + Fp8Config, block FP8) on the GPU with the
+    plugin registered: our no-EP prepare/finalize and the experts VLLM_USE_DEEP_GEMM asks for,
+    the checkpoint's weights kept in our layout, bit-equal to our kernel (world size 1, NCCL)."""
+    from _dist import run_distributed
+    from test_vllm_plugin import _layer_through_the_hook
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1" if deep_gemm else "0")
+    got = run_distributed(_layer_through_the_hook, 1, "cuda", backend="nccl")[0]
+    assert got["backend"] == "TRITON"  # vLLM leaves the weights as loaded
+    assert (got["pf"], got["experts"]) == (
+        "VllmNoEPPrepareAndFinalize", "VllmDeepGemmExperts" if deep_gemm else "VllmTritonExperts")
+    assert got["weights_kept"] and got["nonzero"] and got["equal"]

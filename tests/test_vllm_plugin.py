@@ -118,9 +118,10 @@ def test_selector_leaves_unserved_layers_to_vllm(monkeypatch):
         assert cls is None and "DBO" in reason
 
 
-def _layer_through_the_hook(rank, world_size):
-    """One rank of vLLM (world size 1, gloo): build FusedMoEFactory + Fp8Config layers before
-    and after register(), load random block-FP8 weights, run the second one."""
+def _layer_through_the_hook(rank, world_size, device="cpu"):
+    """One rank of vLLM (world size 1, gloo on the CPU, NCCL on a GPU): build FusedMoEFactory +
+    Fp8Config layers before (on the CPU only) and after register(), load random block-FP8
+    weights, run the second one and our own kernel with the experts class it got."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.forward_context import set_forward_context
@@ -129,7 +130,6 @@ def _layer_through_the_hook(rank, world_size):
     from vllm.platforms import current_platform
 
     from vllm_moe_fixes.fused_moe import FusedMoEModularKernel, NoEPPrepareAndFinalize
-    from vllm_moe_fixes.fused_moe import TritonExperts
     from vllm_moe_fixes.testing import random_fp8_moe_weights
 
     messages = []
@@ -139,29 +139,31 @@ def _layer_through_the_hook(rank, world_size):
     plugin.logger.setLevel(logging.INFO)
     config = VllmConfig()
     with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                                    backend="gloo")
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo" if device == "cpu" else "nccl")
         parallel_state.initialize_model_parallel(1, 1)
         quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
                           weight_block_size=[128, 128])
 
         def layer(name):
-            return FusedMoEFactory(num_experts=E, top_k=TOPK, hidden_size=K,
-                                   intermediate_size=I, params_dtype=torch.bfloat16,
-                                   quant_config=quant, prefix=name)
+            with torch.device(device):
+                return FusedMoEFactory(num_experts=E, top_k=TOPK, hidden_size=K,
+                                       intermediate_size=I, params_dtype=torch.bfloat16,
+                                       quant_config=quant, prefix=name)
 
         os.environ.pop("VLLM_MOE_FIXES", None)
         plugin.register()
-        plain = layer("layers.0.mlp.experts").routed_experts
-        before = plain.quant_method.experts_cls
-        vllm_alone = "not tried"
+        before, vllm_alone = "not built", "not tried"
         vllms_cpu_fp8 = _vllms_cpu_fp8_experts_run_here()
-        if current_platform.is_cpu():
-            try:
-                plain.quant_method.process_weights_after_loading(plain)
-                vllm_alone = "served"
-            except ValueError as e:
-                vllm_alone = str(e)
+        if device == "cpu":
+            plain = layer("layers.0.mlp.experts").routed_experts
+            before = plain.quant_method.experts_cls
+            if current_platform.is_cpu():
+                try:
+                    plain.quant_method.process_weights_after_loading(plain)
+                    vllm_alone = "served"
+                except ValueError as e:
+                    vllm_alone = str(e)
         os.environ["VLLM_MOE_FIXES"] = "1"
         plugin.register()
         moe = layer("layers.1.mlp.experts")
@@ -175,21 +177,24 @@ def _layer_through_the_hook(rank, world_size):
                 param.copy_(value)
         experts.quant_method.process_weights_after_loading(experts)
         kernel = experts.quant_method.moe_kernel
-        x = torch.randn(9, K, generator=g).bfloat16()
-        logits = torch.randn(9, E, generator=g).bfloat16()
+        x = torch.randn(9, K, generator=g).bfloat16().to(device)
+        logits = torch.randn(9, E, generator=g).bfloat16().to(device)
         with set_forward_context(None, config):
             out = moe(x, logits)
         tw, ti = moe.router.select_experts(hidden_states=x, router_logits=logits)
-        ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())(
-            x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale,
-            global_num_experts=E)
+        w = [t.to(device) for t in w]
+        ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(),
+                                     type(kernel.fused_experts.experts)())(
+            x, w[0], w[2], tw, ti, w1_scale=w[1], w2_scale=w[3], global_num_experts=E)
     return dict(before=getattr(before, "__name__", str(before)), vllm_alone=vllm_alone,
                 vllms_cpu_fp8=vllms_cpu_fp8,
                 backend=experts.quant_method.fp8_backend.value,
                 pf=type(kernel.prepare_finalize).__name__,
                 experts=type(kernel.fused_experts).__name__,
                 equal=torch.equal(out, ours), nonzero=bool(out.abs().sum() > 0),
-                weights_kept=torch.equal(experts.w13_weight, w.w1), messages=messages)
+                weights_kept=torch.equal(experts.w13_weight.view(torch.uint8),
+                                         w[0].view(torch.uint8)),
+                messages=messages)
 
 
 def _vllms_cpu_fp8_experts_run_here() -> bool:

@@ -43,15 +43,19 @@ def test_newer_or_unreadable_vllm_is_warned_about_by_name(version, words):
 
 @pytest.fixture
 def plugin_with_vllm_version(monkeypatch):
-    """The plugin module, with VLLM_MOE_FIXES=1 and vLLM's fp8 names restored after the test;
-    call the returned function with a version string to fake ``vllm.__version__``."""
+    """The plugin module, with VLLM_MOE_FIXES=1 and what register() rebinds restored after the
+    test (vLLM's fp8 names, the MoE runner's forward selection); call the returned function with
+    a version string to fake ``vllm.__version__``."""
     vllm = pytest.importorskip("vllm")
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
     from vllm.model_executor.layers.quantization import fp8 as fp8_method
 
     from vllm_moe_fixes.integrations.vllm import plugin
 
     for name in ("select_fp8_moe_backend", "make_fp8_moe_kernel"):
         monkeypatch.setattr(fp8_method, name, getattr(fp8_method, name))
+    monkeypatch.setattr(moe_runner.MoERunner, "_select_forward",
+                        moe_runner.MoERunner._select_forward)
     monkeypatch.setenv("VLLM_MOE_FIXES", "1")
     # vLLM's logger does not propagate to the root logger, where caplog listens
     monkeypatch.setattr(logging.getLogger("vllm.plugins.vllm_moe_fixes"), "propagate", True)

@@ -14,7 +14,11 @@
                                                 ...Delegate (batched: the combine reduces)
 
 vLLM hands the experts fresh workspace views on every call (its WorkspaceManager, or plain
-tensors on CPU); when the output shape is the layer's, vLLM passes the layer's output itself.
+tensors on CPU); when the output shape is the layer's, vLLM passes the layer's output itself. Our
+experts carve their own views out of the workspaces once per workspace object
+(``workspaces.views_cached_on``), so the adapter hands them the first view it was given of the same
+memory and shape (``_stable_workspaces``): a fresh view each call costs a rebuild of those views,
+tens of microseconds on the host.
 
 ``_supports_*`` (what vLLM's ``is_supported_config`` asks) declare exactly what the classes serve:
 block FP8 128x128 weights with dynamic 1x128 FP8 activations, SiLU with a gate/up multiply,
@@ -56,6 +60,10 @@ from vllm_moe_fixes.sizes import expected_rows_per_expert
 
 logger = logging.getLogger("vllm.plugins.vllm_moe_fixes")
 
+# vLLM asks finalize_weight_and_reduce_impl twice per call; the reductions hold no state.
+_REDUCED_BY_EXPERTS = TopKWeightAndReduceNoOP()
+_REDUCED_BY_FINALIZE = TopKWeightAndReduceDelegate()
+
 
 def _deep_gemm_usable() -> bool:
     """Whether this library's DeepGEMM experts can be built here (DeepGEMM importable, SM90)."""
@@ -74,6 +82,7 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     batched: bool = False
     _needs_deep_gemm: bool = False
     _tokens_per_pass: int | None = None  # of this call: workspace_shapes reads it, apply uses it
+    _MAX_CACHED = 64  # workspace shapes and views remembered (vLLM's CUDA graph sizes: ~67)
 
     def __init__(self, moe_config, quant_config, max_num_tokens=None,
                  num_dispatchers=None) -> None:
@@ -85,8 +94,14 @@ class VllmExperts(mk.FusedMoEExpertsModular):
             raise ValueError(f"{type(self).__name__} serves block-FP8 128x128 SiLU-and-mul "
                              f"layers: {problem}")
         self.experts = self._ours()
-        self._checked = (None, None)  # the (w1, w2) whose shapes were checked last
+        self._weights = None  # the Fp8MoEWeights last checked (one layer: one pair, checked once)
         self._own_workspaces = None  # where vLLM's are on another device than the inputs
+        self._shapes = {}  # workspace_shapes' answers by (M, N, K, topk, E_l, tokens per pass)
+        # vLLM's kernel takes workspaces from its WorkspaceManager on every platform but the CPU,
+        # where it allocates them per call (_stable_workspaces keeps nothing there).
+        self._workspaces_kept_by_vllm = not current_platform.is_cpu()
+        self._workspace_views = {}  # _stable_workspaces: the first views of each memory and shape
+        self._workspace_storage = None  # the address of the vLLM buffer those views are of
 
     # --- what vLLM's is_supported_config asks (it calls them on the class)
     @classmethod
@@ -130,9 +145,15 @@ class VllmExperts(mk.FusedMoEExpertsModular):
                          expert_tokens_meta, activation):
         """vLLM's N is w1's rows, 2I; ours take I. vLLM's kernel calls this, then apply, once
         per call: VLLM_FUSED_MOE_CHUNK_SIZE is read here, once, and kept for that apply."""
-        self._tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
-        return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts,
-                                             tokens_per_pass=self._tokens_per_pass)
+        self._tokens_per_pass = tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
+        key = (M, N, K, topk, local_num_experts, tokens_per_pass)
+        shapes = self._shapes.get(key)
+        if shapes is None:
+            if len(self._shapes) >= self._MAX_CACHED:
+                self._shapes.clear()
+            shapes = self._shapes[key] = self.experts.workspace_shapes(
+                M, N // 2, K, topk, local_num_experts, tokens_per_pass=tokens_per_pass)
+        return shapes
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
@@ -147,9 +168,9 @@ class VllmExperts(mk.FusedMoEExpertsModular):
                 a1q_scale=a1q_scale, a2_scale=a2_scale, workspace13=workspace13,
                 workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
                 apply_router_weight_on_input=apply_router_weight_on_input))
-        self._check_weights(hidden_states, w1, w2)
-        self._apply_ours(output, hidden_states,
-                         ours.Fp8MoEWeights(w1, self.w1_scale, w2, self.w2_scale),
+        if self._workspaces_kept_by_vllm:
+            workspace13, workspace2 = self._stable_workspaces(workspace13, workspace2)
+        self._apply_ours(output, hidden_states, self._checked_weights(hidden_states, w1, w2),
                          topk_weights=topk_weights, topk_ids=topk_ids,
                          global_num_experts=global_num_experts, expert_map=expert_map,
                          a1q_scale=a1q_scale, workspace13=workspace13, workspace2=workspace2,
@@ -178,17 +199,40 @@ class VllmExperts(mk.FusedMoEExpertsModular):
         self.apply(**{**args, "output": output, "workspace13": ws13, "workspace2": ws2})
         vllm_output.copy_(output)
 
-    def _check_weights(self, hidden_states, w1, w2) -> None:
-        """The library's weight rules (w1 fp8 [E_l, 2I, K], w2 fp8 [E_l, K, I], contiguous, I and
-        K multiples of 128, K that of hidden_states; quant_config's scales float32 [E_l, 2I/128,
-        K/128] / [E_l, K/128, I/128]), once per weight pair: the layer passes its own weights on
-        every call."""
-        if self._checked[0] is w1 and self._checked[1] is w2:
-            return
+    def _checked_weights(self, hidden_states, w1, w2) -> ours.Fp8MoEWeights:
+        """w1, w2 and quant_config's scales as one record, checked against the library's weight
+        rules (w1 fp8 [E_l, 2I, K], w2 fp8 [E_l, K, I], contiguous, I and K multiples of 128, K
+        that of hidden_states; scales float32 [E_l, 2I/128, K/128] / [E_l, K/128, I/128]) once
+        per set of tensors: the layer passes its own weights on every call."""
+        w1_scale, w2_scale = self.w1_scale, self.w2_scale
+        weights = self._weights
+        if (weights is not None and weights.w1 is w1 and weights.w2 is w2
+                and weights.w1_scale is w1_scale and weights.w2_scale is w2_scale):
+            return weights
         local_num_experts, i = kernel_checks.check_weights(w1, w2, hidden_states.shape[-1])
-        kernel_checks.check_weight_scales(self.w1_scale, self.w2_scale, local_num_experts, i,
+        kernel_checks.check_weight_scales(w1_scale, w2_scale, local_num_experts, i,
                                           hidden_states.shape[-1])
-        self._checked = (w1, w2)
+        self._weights = ours.Fp8MoEWeights(w1, w1_scale, w2, w2_scale)
+        return self._weights
+
+    def _stable_workspaces(self, workspace13, workspace2):
+        """The first (workspace13, workspace2) vLLM handed over for the same memory and shapes.
+        vLLM's WorkspaceManager gives fresh views of one buffer on every call; our experts cache
+        the views they carve on the workspace objects (workspaces.views_cached_on), which a
+        fresh object misses. The views kept hold vLLM's buffer: when vLLM replaces it (it grows
+        before its manager is locked), this layer's first call that sees the new one lets the
+        old go (vLLM's CPU kernel allocates per call: nothing is kept there)."""
+        key = (workspace13.data_ptr(), workspace13.shape, workspace2.data_ptr(),
+               workspace2.shape, workspace13.dtype)
+        views = self._workspace_views.get(key)
+        if views is None:
+            storage = workspace13.untyped_storage().data_ptr()
+            if storage != self._workspace_storage or len(
+                    self._workspace_views) >= self._MAX_CACHED:
+                self._workspace_views.clear()
+                self._workspace_storage = storage
+            views = self._workspace_views[key] = (workspace13, workspace2)
+        return views
 
 
 class _ContiguousExperts(VllmExperts):
@@ -199,7 +243,7 @@ class _ContiguousExperts(VllmExperts):
         return mk.FusedMoEActivationFormat.Standard
 
     def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
-        return TopKWeightAndReduceNoOP()
+        return _REDUCED_BY_EXPERTS
 
     def _apply_ours(self, output, hidden_states, weights, topk_weights, topk_ids,
                     global_num_experts, expert_map, a1q_scale, workspace13, workspace2,
@@ -225,7 +269,7 @@ class _BatchedExperts(VllmExperts):
         return mk.FusedMoEActivationFormat.BatchedExperts
 
     def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
-        return TopKWeightAndReduceDelegate()
+        return _REDUCED_BY_FINALIZE
 
     def _apply_ours(self, output, hidden_states, weights, topk_weights, topk_ids,
                     global_num_experts, expert_map, a1q_scale, workspace13, workspace2,
