@@ -61,15 +61,16 @@ import torch.distributed as dist
 
 from benchmarks._common import bench_us, graph_us, print_table, require_cuda, write_json
 from vllm_moe_fixes._compat import deep_gemm as dg
-from vllm_moe_fixes.fused_moe import experts_steps, modular_kernel
 from vllm_moe_fixes.distributed import make_all2all_buffer
 from vllm_moe_fixes.fused_moe import (
     BatchedDeepGemmExperts,
     BatchedTritonExperts,
     DeepEPLLPrepareAndFinalize,
     FusedMoEModularKernel,
+    experts_steps,
     fused_topk,
     local_expert_map,
+    modular_kernel,
 )
 from vllm_moe_fixes.testing import random_fp8_moe_weights
 

@@ -27,8 +27,12 @@ def check_layer_call(x, w1, w2, topk_weights, topk_ids, *, w1_scale, w2_scale,
                      max_tokens_across_ranks) -> None:
     """Every rule of the layer's arguments (FusedMoEModularKernel.__call__ documents them), in
     this order; ids and expert_map values only for CPU tensors or with VLLM_MOE_CHECK_IDS=1."""
-    check_tensors(hidden_states=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
-                  w1_scale=w1_scale, w2_scale=w2_scale)
+    tensor = torch.Tensor
+    if not (isinstance(x, tensor) and isinstance(w1, tensor) and isinstance(w2, tensor)
+            and isinstance(topk_weights, tensor) and isinstance(topk_ids, tensor)
+            and isinstance(w1_scale, tensor) and isinstance(w2_scale, tensor)):
+        check_tensors(hidden_states=x, w1=w1, w2=w2, topk_weights=topk_weights,
+                      topk_ids=topk_ids, w1_scale=w1_scale, w2_scale=w2_scale)  # names the first
     if activation != "silu":
         raise ValueError(f"activation must be 'silu', got {activation!r}")
     M, K = check_hidden_states(x)
