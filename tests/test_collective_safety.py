@@ -34,7 +34,8 @@ from _dist import run_distributed
 from test_ep_kernel import check, local_slice, make_weights
 from test_torch_buffer import make_problem
 
-from vllm_moe_fixes.distributed import TorchAll2AllBuffer, TorchElasticBuffer
+from vllm_moe_fixes.distributed import TorchAll2AllBuffer, TorchElasticBuffer, torch_buffer
+from vllm_moe_fixes.distributed.collectives import STAMP_DIGEST_BITS, PassStamp, stamp_digest
 from vllm_moe_fixes.fused_moe import (
     BatchedTritonExperts,
     DeepEPHTPrepareAndFinalize,
@@ -287,6 +288,44 @@ def test_max_tokens_no_pass_count_could_serve_is_refused_on_every_rank(world):
     refused, following = zip(*run_bounded(_max_tokens_beyond_any_bound, world))
     assert_value_error_on_every_rank(refused, "max_tokens_across_ranks", "100000000")
     assert all(got["error"] is None for got in following), following
+
+
+# --- the stamp's digest in the count exchange ----------------------------------------------------
+
+def _stamps_whose_digests_sum_alike(rank, world):
+    """Four ranks at passes 1, 2, 3 and 2 of a plan, their digests patched to the pass index: the
+    digests' sum is 4 times the own digest of ranks 1 and 3, so a check of the sum alone would let
+    those go on while their peers gather (a hang). Then all at pass 2: the dispatch runs."""
+    torch_buffer.stamp_digest = lambda stamp: stamp.index  # this forked rank's module only
+    xs, ids, ws = make_problem(41, [3] * world, E, K_TOP, H_STANDARD)
+    buffer = TorchAll2AllBuffer(None)
+
+    def dispatch():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids[rank], E)
+        buffer.dispatch(xs[rank], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=ids[rank],
+                        topk_weights=ws[rank])
+    outcomes = []
+    for index in ((1, 2, 3, 2)[rank], 2):
+        buffer.pass_stamp = PassStamp(index, 4, CHUNK, 4 * CHUNK)
+        outcomes.append(outcome(dispatch))
+    return outcomes
+
+
+def test_stamps_that_differ_are_seen_by_every_rank_whatever_their_digests_sum_to():
+    differ, same = zip(*run_bounded(_stamps_whose_digests_sum_alike, 4))
+    assert_value_error_on_every_rank(differ, "different passes",
+                                     r"pass index 1 on ranks \[0\], 2 on ranks \[1, 3\]")
+    assert all(got["error"] is None for got in same), same
+
+
+def test_stamp_digest_is_the_same_on_every_host():
+    """Not hash(): a fixed function of the stamp's fields, within its bits, different for
+    neighbouring passes."""
+    digests = [stamp_digest(PassStamp(i, 3, 8192, 20000)) for i in range(3)]
+    assert digests[0] == 0x71D297  # pinned: ranks on other hosts and Pythons compute this
+    assert all(0 <= d < 2**STAMP_DIGEST_BITS for d in digests)
+    assert len(set(digests)) == 3
 
 
 # --- the harness itself -------------------------------------------------------------------------

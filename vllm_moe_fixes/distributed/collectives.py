@@ -26,6 +26,7 @@ torch is imported here; ``vllm_moe_fixes.distributed`` does not import this modu
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -156,6 +157,21 @@ class PassStamp(NamedTuple):
 
 
 NO_STAMP = PassStamp(0, 0, 0, 0)
+
+# A stamp travels as a digest of this many bits. The count exchange carries it as two columns, d
+# and d * d, whose sums over the ranks it computes anyway (beside the counts); sum d_s = R * d and
+# sum d_s**2 = R * d**2 hold together only where every rank's d_s equals d (the digests'
+# variance is then zero), and every rank reads the same sums. 24 bits keep R * d**2 inside int64
+# for groups of up to 2**15 ranks; two different stamps share a digest with probability 2**-24.
+STAMP_DIGEST_BITS = 24
+
+
+def stamp_digest(stamp: PassStamp) -> int:
+    """The stamp's digest, in [0, 2**STAMP_DIGEST_BITS): the same on every host and Python
+    (unlike hash()), so that ranks on different machines compare the same numbers."""
+    data = ",".join(map(str, stamp)).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=STAMP_DIGEST_BITS // 8).digest(),
+                          "little")
 
 
 def _by_value(values: list[int]) -> str:

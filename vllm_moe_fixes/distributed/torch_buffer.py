@@ -8,9 +8,10 @@ float8).
 
 High-throughput (normal) mode sends each token once to every rank holding one of its experts, in
 variable-size messages: ``dispatch`` reads the counts to the host once (DeepEP's does too: the
-receive size is a host-side tensor shape), in one ``all_to_all_single`` of a [R, 1 + E_l]
-count matrix, then moves every per-row tensor of the call (x, its scales, top-k ids and weights)
-packed into one byte row, in one ``all_to_all_single``. ``combine`` does not synchronise.
+receive size is a host-side tensor shape), in one ``all_to_all_single`` of a [R, 1 + E_l + 2]
+count matrix (its last two columns: the dispatch's PassStamp), then moves every per-row tensor of
+the call (x, its scales, top-k ids and weights) packed into one byte row, in one
+``all_to_all_single``. ``combine`` does not synchronise.
 
 Every collective goes through ``collectives.run_collective``, which returns only once gloo has let
 go of the CPU tensors (a late release during interpreter shutdown aborts the process).
@@ -57,7 +58,12 @@ from vllm_moe_fixes._validate import check, check_positive_int
 from vllm_moe_fixes.distributed import buffer_checks as checks
 from vllm_moe_fixes.distributed import deepep_sizing as sizing
 from vllm_moe_fixes.distributed import ll_exchange as ll
-from vllm_moe_fixes.distributed.collectives import NO_STAMP, check_same_pass, run_collective
+from vllm_moe_fixes.distributed.collectives import (
+    NO_STAMP,
+    check_same_pass,
+    run_collective,
+    stamp_digest,
+)
 from vllm_moe_fixes.sizes import align_up
 
 # torch 2.13 names it all_gather_single; older releases all_gather_into_tensor (same arguments).
@@ -134,7 +140,7 @@ class TorchAll2AllBuffer:
         # dispatch's count exchange (high-throughput) or N check (low-latency, where values are
         # checked): ranks at different passes of a layer call raise together (PassStamp).
         self.pass_stamp = NO_STAMP
-        self._stamp_columns: dict[tuple, torch.Tensor] = {}  # see _stamp_column
+        self._stamp_messages: dict[tuple, tuple] = {}  # see _stamp_message
 
     # ----------------------------------------------------------------- static helpers (DeepEP's)
     @staticmethod
@@ -345,45 +351,53 @@ class TorchAll2AllBuffer:
 
     # High-throughput steps.
     def _agree_counts(self, num_tokens_per_rank, num_tokens_per_expert, expert_alignment):
-        """Exchange the [R, 1 + E_l] count matrix and read it to the host (the one sync).
+        """Exchange the [R, 1 + E_l + 2] count matrix (counts, then the stamp's digest columns) and
+        read it to the host (the one sync).
 
         Returns (rows sent to each rank, rows received from each rank, aligned selections received
         per local expert), lists of ints."""
         r, stamp = self.group_size, self.pass_stamp
         self.pass_stamp = NO_STAMP  # one dispatch's
+        columns, sums = self._stamp_message(stamp, num_tokens_per_rank.device)
         counts = torch.cat([num_tokens_per_rank.view(r, 1).long(),
-                            num_tokens_per_expert.view(r, -1).long(),
-                            self._stamp_column(stamp, num_tokens_per_rank.device)], 1)
+                            num_tokens_per_expert.view(r, -1).long(), columns], 1)
         got = torch.empty_like(counts)
-        # row s: what rank s sends here; its last column: rank s's stamp (hashed)
+        # row s: what rank s sends here; its last two columns: rank s's stamp digest d_s, d_s**2
         run_collective(dist.all_to_all_single, got, counts, group=self.group)
-        host = torch.cat([counts[:, 0], got[:, 0], got[:, -1], got[:, 1:-1].sum(0)]).tolist()
-        if len(set(host[2 * r:3 * r])) > 1:  # every rank sees it: all gather the stamps, raise
+        host = torch.cat([counts[:, 0], got[:, 0], got[:, 1:].sum(0)]).tolist()
+        if host[-2:] != sums:  # every rank sees it (collectives.STAMP_DIGEST_BITS): gather, raise
             self._check_same_pass(stamp, num_tokens_per_rank.device)
-        return host[:r], host[r:2 * r], [align_up(c, expert_alignment) for c in host[3 * r:]]
+        return host[:r], host[r:2 * r], [align_up(c, expert_alignment) for c in host[2 * r:-2]]
 
-    def _stamp_column(self, stamp: tuple, device: torch.device, n: int | None = None):
-        """int64 [R, 1] holding hash(stamp) in every row (the count exchange's last column), or
-        with n, [2] = (n, hash(stamp)) (the low-latency N check's message). Kept per value and
-        device, as a layer's calls repeat a few stamps: a tensor made per dispatch would cost
-        more host time than the rest of what the stamp adds. Filled on the device (torch.full), not
-        copied from a host list: a pageable copy would add a host synchronisation to the
-        dispatch's first call of each stamp. Never written after."""
+    def _stamp_message(self, stamp: tuple, device: torch.device, n: int | None = None):
+        """What a dispatch sends of its PassStamp, and what the count exchange's column sums are
+        when every rank's stamp is this one: (int64 [R, 2] holding (d, d * d) in every row, [R * d,
+        R * d * d]) for the count exchange, d = stamp_digest(stamp); with n, (int64 [2] = (n, d),
+        the low-latency N check's message, None). Kept per value and device, as a layer's calls
+        repeat a few stamps: a tensor made per dispatch would cost more host time than the rest of
+        what the stamp adds. Filled on the device (torch.full), not copied from a host list: a
+        pageable copy would add a host synchronisation to the dispatch's first call of each
+        stamp. Never written after."""
         key = (stamp, device, n)
-        column = self._stamp_columns.get(key)
-        if column is None:
-            if len(self._stamp_columns) >= 256:  # a bound: stamps of old plans are not kept
-                self._stamp_columns.clear()
-            shape = (self.group_size, 1) if n is None else (2,)
-            column = torch.full(shape, hash(stamp), dtype=torch.int64, device=device)
-            if n is not None:
-                column[0] = n
-            self._stamp_columns[key] = column
-        return column
+        message = self._stamp_messages.get(key)
+        if message is None:
+            if len(self._stamp_messages) >= 256:  # a bound: stamps of old plans are not kept
+                self._stamp_messages.clear()
+            d, r = stamp_digest(stamp), self.group_size
+            if n is None:
+                tensor = torch.full((r, 2), d, dtype=torch.int64, device=device)
+                tensor[:, 1] = d * d
+                message = tensor, [r * d, r * d * d]
+            else:
+                tensor = torch.full((2,), d, dtype=torch.int64, device=device)
+                tensor[0] = n
+                message = tensor, None
+            self._stamp_messages[key] = message
+        return message
 
     def _check_same_pass(self, stamp: tuple, device: torch.device) -> None:
         """ValueError on every rank naming what differs (check_same_pass): called by every rank
-        of the group when the stamps' hashes differ, so this gather meets its peers'."""
+        of the group when the stamps' digests differ, so this gather meets its peers'."""
         got = self._all_gather(torch.tensor(stamp, dtype=torch.int64, device=device))
         check_same_pass(got.tolist())
 
@@ -563,7 +577,7 @@ class TorchAll2AllBuffer:
     def _check_same_n(self, n: int, stamp: tuple, device: torch.device) -> None:
         """Every rank must pass the same N (the message size) and be at the same pass of a layer
         call (stamp: this dispatch's PassStamp): gathered and compared."""
-        got = self._all_gather(self._stamp_column(stamp, device, n)).tolist()
+        got = self._all_gather(self._stamp_message(stamp, device, n)[0]).tolist()
         if len({row[0] for row in got}) > 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: "
                              f"{[row[0] for row in got]}")
