@@ -198,8 +198,9 @@ def _rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    if args.core is not None:
-        os.sched_setaffinity(0, {args.core})
+    if args.core is not None:  # a core this process may use (on a smaller machine: wrapped)
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {allowed[args.core % len(allowed)]})
     torch.set_num_threads(1)
     sys.path.insert(0, args.trees)
     backend = "nccl" if args.device == "cuda" else "gloo"
