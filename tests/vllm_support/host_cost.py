@@ -11,6 +11,8 @@ variant is warmed up, then timed three ways:
 - ``loop_us``: a plain launch loop up to one final synchronisation, per call (the larger of host
   and GPU time per call);
 - ``gpu_us``: the same loop between two CUDA events.
+``adapter_fresh_views`` times the adapter without its reuse of vLLM's workspace views (as it was
+before it reused them).
 Then where the host time goes (``split``, launch loops of the Python alone, no kernel runs):
 - ``ours_kernel_us``: our FusedMoEModularKernel with our prepare and experts stubbed (cached
   prepare result, experts that return at once): our kernel's own Python;
@@ -129,6 +131,12 @@ def measure(experts: str, M: int, calls: int) -> dict:
                       "gpu_us": _gpu_us(fn, calls)}
     for what in ("host_us", "loop_us"):
         rows[f"ratio_{what[:-3]}"] = rows["adapter"][what] / rows["ours"][what]
+    # What reusing vLLM's workspace views saves: the adapter as it was without it (our experts
+    # rebuild their views on each call's fresh workspace objects).
+    theirs.fused_experts._workspaces_kept_by_vllm = False
+    rows["adapter_fresh_views"] = {"host_us": _host_us(adapter_call, calls),
+                                   "loop_us": _loop_us(adapter_call, calls)}
+    theirs.fused_experts._workspaces_kept_by_vllm = True
 
     # The split: the library's work stubbed under both kernels (instance attributes), then the
     # adapters' too under vLLM's.

@@ -81,7 +81,7 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     _ours: type
     batched: bool = False
     _needs_deep_gemm: bool = False
-    _tokens_per_pass: int | None = None  # of this call: workspace_shapes reads it, apply uses it
+    _pending_tokens_per_pass: int | None = None  # workspace_shapes reads it, apply takes it
     _MAX_CACHED = 64  # workspace shapes and views remembered (vLLM's CUDA graph sizes: ~67)
 
     def __init__(self, moe_config, quant_config, max_num_tokens=None,
@@ -143,9 +143,13 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     # --- the call
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
                          expert_tokens_meta, activation):
-        """vLLM's N is w1's rows, 2I; ours take I. vLLM's kernel calls this, then apply, once
-        per call: VLLM_FUSED_MOE_CHUNK_SIZE is read here, once, and kept for that apply."""
-        self._tokens_per_pass = tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
+        """vLLM's N is w1's rows, 2I; ours take I. vLLM's kernel asks this twice per call (for
+        its chunk and for the whole call, the same M in vLLM 0.33), then calls apply:
+        VLLM_FUSED_MOE_CHUNK_SIZE is read at the first ask and kept for the second and for that
+        apply (a read costs microseconds of host time; apply takes it)."""
+        tokens_per_pass = self._pending_tokens_per_pass
+        if tokens_per_pass is None:
+            tokens_per_pass = self._pending_tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
         key = (M, N, K, topk, local_num_experts, tokens_per_pass)
         shapes = self._shapes.get(key)
         if shapes is None:
@@ -168,6 +172,10 @@ class VllmExperts(mk.FusedMoEExpertsModular):
                 a1q_scale=a1q_scale, a2_scale=a2_scale, workspace13=workspace13,
                 workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
                 apply_router_weight_on_input=apply_router_weight_on_input))
+        tokens_per_pass = self._pending_tokens_per_pass
+        self._pending_tokens_per_pass = None
+        if tokens_per_pass is None:  # called without workspace_shapes before it
+            tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
         if self._workspaces_kept_by_vllm:
             workspace13, workspace2 = self._stable_workspaces(workspace13, workspace2)
         self._apply_ours(output, hidden_states, self._checked_weights(hidden_states, w1, w2),
@@ -175,7 +183,8 @@ class VllmExperts(mk.FusedMoEExpertsModular):
                          global_num_experts=global_num_experts, expert_map=expert_map,
                          a1q_scale=a1q_scale, workspace13=workspace13, workspace2=workspace2,
                          expert_tokens_meta=expert_tokens_meta,
-                         apply_router_weight_on_input=apply_router_weight_on_input)
+                         apply_router_weight_on_input=apply_router_weight_on_input,
+                         tokens_per_pass=tokens_per_pass)
 
     def _apply_on_inputs_device(self, args: dict) -> None:
         """``apply(**args)`` in workspaces and an output on the inputs' device, then the output
@@ -247,7 +256,7 @@ class _ContiguousExperts(VllmExperts):
 
     def _apply_ours(self, output, hidden_states, weights, topk_weights, topk_ids,
                     global_num_experts, expert_map, a1q_scale, workspace13, workspace2,
-                    expert_tokens_meta, apply_router_weight_on_input) -> None:
+                    expert_tokens_meta, apply_router_weight_on_input, tokens_per_pass) -> None:
         """output bf16 [M, K] <- sum over the k slots of weight * expert(hidden_states); slots
         whose expert is not local (expert_map -1, or id -1) add 0. hidden_states fp8 [M, K],
         a1q_scale f32 [M, K/128]; topk_ids int32/int64 [M, k] global ids; expert_map int32 [E]
@@ -256,7 +265,7 @@ class _ContiguousExperts(VllmExperts):
                            workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
                            expert_map=expert_map,
                            topk_weights=None if apply_router_weight_on_input else topk_weights,
-                           tokens_per_pass=self._tokens_per_pass)
+                           tokens_per_pass=tokens_per_pass)
 
 
 class _BatchedExperts(VllmExperts):
@@ -273,7 +282,7 @@ class _BatchedExperts(VllmExperts):
 
     def _apply_ours(self, output, hidden_states, weights, topk_weights, topk_ids,
                     global_num_experts, expert_map, a1q_scale, workspace13, workspace2,
-                    expert_tokens_meta, apply_router_weight_on_input) -> None:
+                    expert_tokens_meta, apply_router_weight_on_input, tokens_per_pass) -> None:
         """output bf16 [E_l, T, K] (valid rows written) from hidden_states fp8 [E_l, T, K],
         a1q_scale f32 [E_l, T, K/128] and expert_tokens_meta.expert_num_tokens int32 [E_l]."""
         if expert_tokens_meta is None or expert_tokens_meta.expert_num_tokens is None:
@@ -284,7 +293,7 @@ class _BatchedExperts(VllmExperts):
         self.experts.apply(output, hidden_states, a1q_scale, weights,
                            workspace13=workspace13, workspace2=workspace2,
                            expert_num_tokens=expert_tokens_meta.expert_num_tokens,
-                           expected_m=expected_m, tokens_per_pass=self._tokens_per_pass)
+                           expected_m=expected_m, tokens_per_pass=tokens_per_pass)
 
 
 class VllmTritonExperts(_ContiguousExperts):
