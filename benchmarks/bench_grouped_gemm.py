@@ -54,14 +54,17 @@ def _cfg(bm, bn, warps, stages, group_m, **flags):
 
 # Candidates of --sweep: the default (first; see the measured table in ops/grouped_gemm.py) and
 # the larger tiles that SPLIT_M / SPLIT_N let fit in registers. Shared memory per stage is
-# 24 KiB at 64x128, 32 KiB at 128x128, 40 KiB at 64x256, 48 KiB at 128x256 (an SM has 228 KiB);
-# the one-warpgroup split tiles hold about 200 registers a thread, so two CTAs share an SM.
+# 24 KiB at 64x128, 32 KiB at 128x128, 40 KiB at 64x256, 48 KiB at 128x256 (an SM has 228 KiB).
+# Registers (triton 3.6, sm_90, contiguous kernel): 165 at 64x128 4w (3 CTAs an SM), 128 at
+# 128x128 8w split-n (2 CTAs), 210 at 128x128 8w split-m (1 CTA); 128x128 4w split-m, 64x256 4w
+# split-n and 128x256 8w split-n spill.
 SWEEP = [
     _cfg(64, 128, 4, 3, 16), _cfg(64, 128, 4, 3, 32),
-    _cfg(128, 128, 4, 3, 16, SPLIT_M=2), _cfg(128, 128, 4, 2, 16, SPLIT_M=2),
-    _cfg(64, 256, 4, 2, 16, SPLIT_N=2), _cfg(128, 128, 8, 3, 16, SPLIT_N=2),
-    _cfg(128, 256, 8, 3, 16, SPLIT_N=2), _cfg(128, 256, 8, 4, 16, SPLIT_N=2),
-    _cfg(128, 256, 8, 3, 8, SPLIT_N=2), _cfg(128, 256, 8, 3, 16, SPLIT_N=2, WARP_SPECIALIZE=True),
+    _cfg(128, 128, 8, 3, 16, SPLIT_N=2), _cfg(128, 128, 8, 3, 32, SPLIT_N=2),
+    _cfg(128, 128, 8, 3, 8, SPLIT_N=2), _cfg(128, 128, 8, 4, 16, SPLIT_N=2),
+    _cfg(128, 128, 8, 3, 16, SPLIT_M=2), _cfg(128, 128, 4, 3, 16, SPLIT_M=2),
+    _cfg(64, 256, 4, 2, 16, SPLIT_N=2), _cfg(128, 256, 8, 3, 16, SPLIT_N=2),
+    _cfg(128, 128, 8, 3, 16, SPLIT_N=2, WARP_SPECIALIZE=True),
 ]
 
 

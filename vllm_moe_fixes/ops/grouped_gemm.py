@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
+from vllm_moe_fixes.ops.triton_utils import INTERPRETING
 from vllm_moe_fixes.sizes import cdiv
 
 
@@ -42,40 +43,32 @@ from vllm_moe_fixes.sizes import cdiv
 # per L2 swizzle group), num_warps, num_stages, SPLIT_M / SPLIT_N, IMPRECISE_ACC,
 # WARP_SPECIALIZE. BLOCK_K is SCALE_BLOCK (one scale per K block).
 #
-# SPLIT_M / SPLIT_N = 2: the tile is computed as two sub-tiles (its upper and lower halves, or its
-# left and right halves), each with its own dot and float32 accumulator. A thread then holds two
-# accumulators and one block product instead of a whole tile's accumulator and product, so a
-# larger tile fits in registers (128x128 or 64x256 on one warpgroup, 128x256 on two), and each
-# K block's A and W bytes feed more tensor-core work (L2 traffic per FLOP: 64x128 reads
-# 24 KiB per 2 MFLOP, 128x128 32 KiB per 4 MFLOP, 128x256 48 KiB per 8 MFLOP). Every
-# sub-tile's sum is the unsplit tile's, bit for bit.
+# SPLIT_M / SPLIT_N = 2: the tile is computed as two sub-tiles (upper / lower or left / right
+# halves), each with its own dot and float32 accumulator: a thread holds two accumulators and one
+# block product instead of a whole tile's two, so larger tiles fit in registers and each K block's
+# bytes feed more tensor-core work (L2 reads per MFLOP: 12 KiB at 64x128, 8 at 128x128, 6 at
+# 128x256). Every sub-tile's sum is the unsplit tile's, bit for bit.
 #
-# IMPRECISE_ACC: how many K elements Hopper's FP8 tensor cores sum in their own accumulator before
-# the partial sum is added in float32. Their FP8 accumulator keeps only about 14 mantissa bits, and
-# Triton's default on SM90 (max_num_imprecise_acc = 2**30) leaves a whole 128-wide scale block
-# there (the 4 wgmma steps of K = 32); 32 or 64 adds each wgmma step's (or pair's) partial in
-# float32 (`tl.dot`'s max_num_imprecise_acc). 0 keeps Triton's default, which is also what
-# DeepGEMM does (it promotes once per 128 of K): on the H200 the default's output equals
-# DeepGEMM's (calc_diff 0 on every bench shape) and both miss the exact block product's bf16 value
-# in 6.8% of elements, 64 in 4.3%, 32 in 2.6%, at 0.87 / 0.62 of the default's TFLOP/s
-# (benchmarks/results/grouped_gemm_accuracy.json, kernels_h200.log). Other GPUs and the
+# IMPRECISE_ACC: how many K elements Hopper's FP8 tensor cores sum in their own accumulator (about
+# 14 mantissa bits) before the partial sum is added in float32 (`tl.dot`'s max_num_imprecise_acc).
+# 0 keeps Triton's default on SM90, a whole 128-wide scale block, which is also what DeepGEMM does:
+# on the H200 the default's output equals DeepGEMM's (calc_diff 0 on every bench shape) and both
+# miss the exact block product's bf16 value in 6.8% of elements, 64 in 4.3%, 32 in 2.6%, at 0.87 /
+# 0.62 of the default's TFLOP/s (benchmarks/results/grouped_gemm_accuracy.json). Other GPUs and the
 # interpreter accumulate in float32 throughout and ignore it.
-# WARP_SPECIALIZE: Triton's automatic warp specialisation of the K loop (producer / consumer
-# partitions; triton 3.6 implements it for Hopper). Measured at 4 x 8192, N 4096, K 7168: 888 vs
-# 892 TFLOP/s contiguous, 423 vs 899 masked, so it stays off.
+# WARP_SPECIALIZE: Triton's automatic warp specialisation of the K loop (triton 3.6, Hopper); at
+# 4 x 8192, N 4096, K 7168 888 vs 892 TFLOP/s contiguous, 423 vs 899 masked, so it stays off.
 # BLOCK_M must divide ROW_ALIGNMENT = 128 (a tile never spans two experts' segments); BLOCK_N is
 # a power of two up to 256 (a TMA box dimension; it then divides SCALE_BLOCK or is 256: a tile
 # never splits a weight-scale block).
 #
 # A and W blocks are loaded through host TMA descriptors (A as [rows, K], W as [E*N, K]; rows
 # past the end read as zeros, rows of a neighbouring expert are never stored). At 64x128 with 4
-# warps the kernel then needs 160 registers, so 3 CTAs share an SM at num_stages=3 (72 KiB of
-# shared memory). Per-thread pointer loads remain only for operands a descriptor cannot describe
-# (see _tma_views).
+# warps the kernel needs 165 registers, so 3 CTAs share an SM at num_stages=3 (72 KiB of shared
+# memory). Pointer loads remain for operands a descriptor cannot describe (see _tma_views).
 #
-# Default: 0.98 of the per-shape best (geometric mean) of 30 configs in the H200 sweep whose
-# table is benchmarks/results/grouped_gemm_config_h200.txt; the masked kernel shares the main loop
-# and the TMA operand shapes, so it takes the same default.
+# Default: 0.98 of the per-shape best (geometric mean) of 30 configs in the H200 sweep of
+# benchmarks/results/grouped_gemm_config_h200.txt; the masked kernel takes the same default.
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, num_warps=4, num_stages=3,
                       SPLIT_M=1, SPLIT_N=1, IMPRECISE_ACC=0, WARP_SPECIALIZE=False)
 
@@ -198,16 +191,36 @@ def _swizzle(tile, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+# Whether _zeros_after may use PTX (Triton's interpreter runs no inline assembly).
+_OPAQUE_ZEROS: tl.constexpr = tl.constexpr(not INTERPRETING)
+
+
+@triton.jit
+def _zeros_after(x):
+    """Zeros like x that the compiler cannot compute before x (an opaque 0 per element): a dot
+    accumulating into them starts after x is complete. Otherwise the compiler moves the first
+    sub-tile's scaling past the second sub-tile's dot, and both block products live at once."""
+    if _OPAQUE_ZEROS:
+        return tl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.zeros(x.shape, dtype=tl.float32)
+
+
 @triton.jit
 def _scaled_block_update(acc, a, w, a_s_ptrs, w_s_ptrs, kb, stride_ask, stride_wsk,
                          SUB_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         IMPRECISE_ACC: tl.constexpr):
-    """acc + dot(a, w) * a_s * w_s for K block kb of one sub-tile (a_s per row; w_s one scalar
-    when the sub-tile lies inside one 128-column scale block, else per column)."""
-    if IMPRECISE_ACC == 0:
-        part = tl.dot(a, w)
+                         IMPRECISE_ACC: tl.constexpr, after=None):
+    """acc + dot(a, w) * a_s * w_s for K block kb of one sub-tile (a_s per row; w_s a scalar when
+    the sub-tile lies in one 128-column scale block); `after`: what the dot waits for, or None."""
+    if after is None:
+        start = tl.zeros(acc.shape, dtype=tl.float32)
     else:
-        part = tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_ACC)
+        start = _zeros_after(after)
+    if IMPRECISE_ACC == 0:
+        part = tl.dot(a, w, start)
+    else:
+        part = tl.dot(a, w, start, max_num_imprecise_acc=IMPRECISE_ACC)
     a_s = tl.load(a_s_ptrs + kb * stride_ask)
     if SUB_N <= BLOCK_K:
         acc += part * (a_s * tl.load(w_s_ptrs + kb * stride_wsk))[:, None]
@@ -232,17 +245,13 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, m0, row_end, n0, N, K,
                       SPLIT_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                       IMPRECISE_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """(acc0, acc1): float32 [SUB_M, SUB_N] sums over K blocks of dot(A_blk, W_blk^T) * a_s * w_s
-    for the tile's one or two sub-tiles: sub-tile 0 at rows m0.., columns n0..; with SPLIT_M == 2
-    sub-tile 1 is the next SUB_M rows, with SPLIT_N == 2 the next SUB_N columns (acc1 is unused
-    when neither is 2). Each sub-tile keeps its own accumulator and product, so a thread holds
-    two accumulators and one product instead of a whole tile's two.
+    for the tile's sub-tiles: sub-tile 0 at rows m0.., columns n0..; sub-tile 1 the next SUB_M
+    rows (SPLIT_M == 2) or SUB_N columns (SPLIT_N == 2); acc1 is unused when neither is 2.
 
-    Rows are clamped below row_end and columns below N (int64; no masks in the loop); scale
-    offsets (kb * stride) stay 32-bit, as a_s has M*K/128 elements. With TMA, the blocks come
-    from the descriptors at rows a_row (of A) / w_row (of W) and column k; otherwise through
-    per-thread pointers. The W blocks are used as [BLOCK_K, SUB_N] with K contiguous (K-major
-    B), which Hopper's FP8 wgmma takes directly from shared memory.
-    """
+    Rows are clamped below row_end, columns below N (int64; no masks in the loop); scale offsets
+    (kb * stride) stay 32-bit, as a_s has M*K/128 elements. With TMA the blocks come from the
+    descriptors at rows a_row (of A) / w_row (of W), else through per-thread pointers. W blocks
+    are used as [BLOCK_K, SUB_N], K-major, as Hopper's FP8 wgmma takes them from shared memory."""
     offs_k = tl.arange(0, BLOCK_K)
     rows0 = tl.minimum(m0 + tl.arange(0, SUB_M), row_end - 1)
     cols0 = tl.minimum(n0 + tl.arange(0, SUB_N), N - 1)
@@ -274,14 +283,14 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, m0, row_end, n0, N, K,
             else:
                 a1 = tl.load(a_ptrs1 + kb * BLOCK_K)
             acc1 = _scaled_block_update(acc1, a1, w0, a_s_ptrs1, w_s_ptrs0, kb, stride_ask,
-                                        stride_wsk, SUB_N, BLOCK_K, IMPRECISE_ACC)
+                                        stride_wsk, SUB_N, BLOCK_K, IMPRECISE_ACC, acc0)
         if SPLIT_N > 1:
             if TMA:
                 w1 = w_desc.load([w_row + SUB_N, kb * BLOCK_K]).T
             else:
                 w1 = tl.load(w_ptrs1 + kb * BLOCK_K)
             acc1 = _scaled_block_update(acc1, a0, w1, a_s_ptrs0, w_s_ptrs1, kb, stride_ask,
-                                        stride_wsk, SUB_N, BLOCK_K, IMPRECISE_ACC)
+                                        stride_wsk, SUB_N, BLOCK_K, IMPRECISE_ACC, acc0)
     return acc0, acc1
 
 
