@@ -358,9 +358,10 @@ class TorchAll2AllBuffer:
         per local expert), lists of ints."""
         r, stamp = self.group_size, self.pass_stamp
         self.pass_stamp = NO_STAMP  # one dispatch's
-        columns, sums = self._stamp_message(stamp, num_tokens_per_rank.device)
-        counts = torch.cat([num_tokens_per_rank.view(r, 1).long(),
-                            num_tokens_per_expert.view(r, -1).long(), columns], 1)
+        counts, sums = self._stamp_message(stamp, num_tokens_per_rank.device,
+                                           local_experts=num_tokens_per_expert.numel() // r)
+        counts[:, 0].copy_(num_tokens_per_rank)
+        counts[:, 1:-2].copy_(num_tokens_per_expert.view(r, -1))
         got = torch.empty_like(counts)
         # row s: what rank s sends here; its last two columns: rank s's stamp digest d_s, d_s**2
         run_collective(dist.all_to_all_single, got, counts, group=self.group)
@@ -369,24 +370,30 @@ class TorchAll2AllBuffer:
             self._check_same_pass(stamp, num_tokens_per_rank.device)
         return host[:r], host[r:2 * r], [align_up(c, expert_alignment) for c in host[2 * r:-2]]
 
-    def _stamp_message(self, stamp: tuple, device: torch.device, n: int | None = None):
-        """What a dispatch sends of its PassStamp, and what the count exchange's column sums are
-        when every rank's stamp is this one: (int64 [R, 2] holding (d, d * d) in every row, [R * d,
-        R * d * d]) for the count exchange, d = stamp_digest(stamp); with n, (int64 [2] = (n, d),
-        the low-latency N check's message, None). Kept per value and device, as a layer's calls
-        repeat a few stamps: a tensor made per dispatch would cost more host time than the rest of
-        what the stamp adds. Filled on the device (torch.full), not copied from a host list: a
-        pageable copy would add a host synchronisation to the dispatch's first call of each
-        stamp. Never written after."""
-        key = (stamp, device, n)
+    def _stamp_message(self, stamp: tuple, device: torch.device, *, n: int | None = None,
+                       local_experts: int = 0):
+        """What a dispatch sends of its PassStamp, d = stamp_digest(stamp), and what the count
+        exchange's column sums are when every rank's stamp is this one:
+        - for the count exchange: (its int64 [R, 1 + local_experts + 2] matrix, the last two
+          columns (d, d * d) in every row, the others written by each dispatch before it sends;
+          [R * d, R * d * d]);
+        - with n, for the low-latency N check: (int64 [2] = (n, d), None).
+        Kept per value, device and size, as a layer's calls repeat a few stamps: a tensor made
+        per dispatch would cost more host time than the rest of what the stamp adds (the count
+        matrix, written in place, costs less than the concatenation it replaces). Filled on the
+        device (torch.full), not copied from a host list: a pageable copy would add a host
+        synchronisation to the dispatch's first call of each stamp. A dispatch reads the matrix
+        to the host before it returns (its one sync), so the next one may write it again."""
+        key = (stamp, device, n, local_experts)
         message = self._stamp_messages.get(key)
         if message is None:
             if len(self._stamp_messages) >= 256:  # a bound: stamps of old plans are not kept
                 self._stamp_messages.clear()
             d, r = stamp_digest(stamp), self.group_size
             if n is None:
-                tensor = torch.full((r, 2), d, dtype=torch.int64, device=device)
-                tensor[:, 1] = d * d
+                tensor = torch.full((r, 1 + local_experts + 2), d, dtype=torch.int64,
+                                    device=device)
+                tensor[:, -1] = d * d
                 message = tensor, [r * d, r * d * d]
             else:
                 tensor = torch.full((2,), d, dtype=torch.int64, device=device)
@@ -577,7 +584,7 @@ class TorchAll2AllBuffer:
     def _check_same_n(self, n: int, stamp: tuple, device: torch.device) -> None:
         """Every rank must pass the same N (the message size) and be at the same pass of a layer
         call (stamp: this dispatch's PassStamp): gathered and compared."""
-        got = self._all_gather(self._stamp_message(stamp, device, n)[0]).tolist()
+        got = self._all_gather(self._stamp_message(stamp, device, n=n)[0]).tolist()
         if len({row[0] for row in got}) > 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: "
                              f"{[row[0] for row in got]}")
