@@ -15,9 +15,10 @@ same revision is carried twice ("before" and "before_again": its own copy, its o
 their difference is the noise floor of the run, printed beside every row. The anchor is the
 before revision itself, in the same run.
 
-The layer: DeepEPHTPrepareAndFinalize over TorchAll2AllBuffer + TritonExperts (E=8, K=256, I=256,
-top-2) at M=1 and M=128, and at one rank also DeepEPLLPrepareAndFinalize over a TorchAll2AllBuffer
-in low-latency mode + BatchedTritonExperts (K=2048, DeepEP's smallest low-latency hidden; N=128). Cases:
+The layer: DeepEPHTPrepareAndFinalize over TorchAll2AllBuffer + TritonExperts (E=4, K=128, I=128,
+top-2: small, so that the host work dominates) at M=1 and M=128, and at one rank on CUDA also
+DeepEPLLPrepareAndFinalize over a TorchAll2AllBuffer in low-latency mode + BatchedTritonExperts
+(K=2048, DeepEP's smallest low-latency hidden; N=128). Cases:
   - one rank (--device cpu or cuda): what each rank's Python does more per call, no collective
     agreeing anything (the count exchange and the stamp still run). Besides the layer call, the
     changed steps alone: the pass plan and stamp (num_chunks, _stamp_pass), the count exchange

@@ -372,18 +372,13 @@ class TorchAll2AllBuffer:
 
     def _stamp_message(self, stamp: tuple, device: torch.device, *, n: int | None = None,
                        local_experts: int = 0):
-        """What a dispatch sends of its PassStamp, d = stamp_digest(stamp), and what the count
-        exchange's column sums are when every rank's stamp is this one:
-        - for the count exchange: (its int64 [R, 1 + local_experts + 2] matrix, the last two
-          columns (d, d * d) in every row, the others written by each dispatch before it sends;
-          [R * d, R * d * d]);
-        - with n, for the low-latency N check: (int64 [2] = (n, d), None).
-        Kept per value, device and size, as a layer's calls repeat a few stamps: a tensor made
-        per dispatch would cost more host time than the rest of what the stamp adds (the count
-        matrix, written in place, costs less than the concatenation it replaces). Filled on the
-        device (torch.full), not copied from a host list: a pageable copy would add a host
-        synchronisation to the dispatch's first call of each stamp. A dispatch reads the matrix
-        to the host before it returns (its one sync), so the next one may write it again."""
+        """d = stamp_digest(stamp) as a dispatch sends it, and the column sums every rank sees
+        when all stamps are this one: (the count exchange's int64 [R, 1 + local_experts + 2],
+        (d, d * d) in the last two columns, the counts written per dispatch; [R * d, R * d * d]),
+        or with n, (int64 [2] = (n, d), None) for the low-latency N check. Kept per value, device
+        and size (a layer's calls repeat a few stamps; writing the counts in place costs less
+        than a concatenation), filled on the device (no host copy, no sync). A dispatch reads
+        the matrix to the host before it returns, so the next one may write it again."""
         key = (stamp, device, n, local_experts)
         message = self._stamp_messages.get(key)
         if message is None:
