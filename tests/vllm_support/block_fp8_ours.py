@@ -16,10 +16,14 @@ untouched and swaps the two calls' targets in the test module's namespace:
 With ``--ours-diagnose``, each assert_close of the first call also prints one ``DIAG`` line: the
 tolerance usage max|out - ref| / (atol + rtol |ref|) (> 1 fails) of our layer, and of the same
 layer with its GEMMs replaced by the FP8 GEMM promoting every 32 of K (IMPRECISE_ACC=32; both
-GEMMs: acc32, the first only: acc32_gemm1) and by the exact block product (float64 per 128-K
-block, ``grouped_fp8_gemm_contiguous_ref``), at K >= 4096. The test's verdict is unchanged.
-``--ours-shard i/n`` keeps every n-th case from i, so n processes can share one GPU (the
-reference is a launch-bound loop of small matmuls).
+GEMMs: acc32, the first only: acc32_gemm1), by the exact block product (float64 per 128-K
+block, ``grouped_fp8_gemm_contiguous_ref``: exact), and of our layer with activation scales
+rounded up to powers of two (ue8m0: what vLLM's quant does where DeepGEMM's E8M0 is in use), at
+K >= 4096. The test's verdict is unchanged.
+``--ours-follow-e8m0`` runs the first call's layer with those power-of-two scales where vLLM
+uses them (the modular call, through our adapters, is left as it is). ``--ours-shard i/n`` keeps
+every n-th case from i, so n processes can share one GPU (the reference is a launch-bound loop of
+small matmuls).
 
     cd $VLLM_SRC && PYTHONPATH=$REPO/tests/vllm_support:$REPO:$VLLM_SITE python -m pytest \\
         -p mk_registration -p block_fp8_ours --confcutdir=tests/kernels \\
@@ -40,7 +44,10 @@ _VARIANTS = {}  # name -> our layer's output with that GEMM, of the last fused_e
 def pytest_addoption(parser):
     parser.addoption("--ours-shard", default="0/1", help="i/n: keep cases i, i+n, i+2n, ...")
     parser.addoption("--ours-diagnose", action="store_true",
-                     help="print the tolerance usage of our layer and of two GEMM variants")
+                     help="print the tolerance usage of our layer and of its variants")
+    parser.addoption("--ours-follow-e8m0", action="store_true",
+                     help="run our layer with power-of-two activation scales where vLLM's "
+                          "is_deep_gemm_e8m0_used() holds (as vLLM's own experts do)")
 
 
 def _our_layer_call(a, w1, w2, topk_weights, topk_ids, quant_config):
@@ -68,11 +75,54 @@ def _with_gemm(launcher, *args):
         experts_steps.grouped_fp8_gemm_contiguous_triton = kept
 
 
-def _make_fused_experts(diagnose: bool):
+class _Ue8m0Activations:
+    """While entered: our layer quantises its activations (the input and SiLU-and-mul's output)
+    with scales rounded up to powers of two, as vLLM does where ``is_deep_gemm_e8m0_used()``
+    holds, by patching the names the layer's steps call (CUDA launchers and CPU references)."""
+
+    def __enter__(self):
+        from vllm_moe_fixes.fused_moe import experts_steps, no_ep_prepare_finalize as pf
+        from vllm_moe_fixes.ops import fp8_quant, permute, silu_mul_quant
+
+        def quant_permute(x, layout, out_q, out_s):
+            q, s = fp8_quant.per_token_group_quant_fp8(x, use_ue8m0=True)
+            (permute.permute_rows_triton if x.is_cuda else permute.permute_rows_ref)(
+                q, s, layout, out_q, out_s)
+
+        patches = [
+            (pf, "per_token_group_quant_fp8_triton",
+             lambda x, q, s, g, eps, _ue8m0: fp8_quant.per_token_group_quant_fp8_triton(
+                 x, q, s, g, eps, True)),
+            (pf, "per_token_group_quant_fp8",
+             lambda x, g: fp8_quant.per_token_group_quant_fp8(x, g, use_ue8m0=True)),
+            (experts_steps, "quant_permute_triton", quant_permute),
+            (experts_steps, "quant_permute_ref", quant_permute),
+            (experts_steps, "silu_and_mul_quant_fp8_triton",
+             lambda h, q, s, m, _ue8m0: silu_mul_quant.silu_and_mul_quant_fp8_triton(
+                 h, q, s, m, True)),
+            (experts_steps, "silu_and_mul_quant_fp8",
+             lambda h, **kw: silu_mul_quant.silu_and_mul_quant_fp8(h, use_ue8m0=True, **kw)),
+        ]
+        self._kept = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+        for mod, name, fn in patches:
+            setattr(mod, name, fn)
+
+    def __exit__(self, *exc):
+        for mod, name, fn in self._kept:
+            setattr(mod, name, fn)
+
+
+def _make_fused_experts(diagnose: bool, follow_e8m0: bool):
     def fused_experts(a, w1, w2, topk_weights, topk_ids, quant_config=None, **unused):
         if unused:
             raise ValueError(f"fused_experts stand-in: unexpected arguments {sorted(unused)}")
         args = (a, w1, w2, topk_weights, topk_ids, quant_config)
+        if follow_e8m0:
+            from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+
+            if is_deep_gemm_e8m0_used():
+                with _Ue8m0Activations():
+                    return _our_layer_call(*args)
         _VARIANTS.clear()
         if diagnose and a.shape[1] >= 4096:
             from vllm_moe_fixes.ops import grouped_gemm as gg
@@ -87,6 +137,8 @@ def _make_fused_experts(diagnose: bool):
             _VARIANTS["acc32"] = _with_gemm(promoting(False), *args)
             _VARIANTS["acc32_gemm1"] = _with_gemm(promoting(True), *args)
             _VARIANTS["exact"] = _with_gemm(gg.grouped_fp8_gemm_contiguous_ref, *args)
+            with _Ue8m0Activations():
+                _VARIANTS["ue8m0"] = _our_layer_call(*args)
         return _our_layer_call(*args)
     return fused_experts
 
@@ -107,6 +159,14 @@ def _usage(actual, expected, atol, rtol) -> float:
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--ours-diagnose"):
+        try:
+            from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+            print(f"\nDIAG vLLM is_deep_gemm_e8m0_used() = {is_deep_gemm_e8m0_used()} (True: "
+                  "vLLM's quant, and so the test's reference, rounds activation scales to "
+                  "powers of two)", flush=True)
+        except Exception as exc:  # noqa: BLE001 (a diagnostic line only)
+            print(f"\nDIAG is_deep_gemm_e8m0_used() unavailable: {exc!r}", flush=True)
     index, count = (int(v) for v in config.getoption("--ours-shard").split("/"))
     items[:] = [item for i, item in enumerate(items) if i % count == index]
     diagnose = config.getoption("--ours-diagnose")
@@ -114,7 +174,8 @@ def pytest_collection_modifyitems(config, items):
         module = item.module
         if getattr(module, "_ours_swapped", False) or not hasattr(module, _TEST):
             continue
-        module.fused_experts = _make_fused_experts(diagnose)
+        module.fused_experts = _make_fused_experts(diagnose,
+                                                   config.getoption("--ours-follow-e8m0"))
         module.modular_triton_fused_moe = modular_triton_fused_moe
         module._ours_swapped = True
 
