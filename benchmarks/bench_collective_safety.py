@@ -24,7 +24,9 @@ DeepEPLLPrepareAndFinalize over a TorchAll2AllBuffer in low-latency mode + Batch
     changed steps alone: the pass plan and stamp (num_chunks, _stamp_pass), the count exchange
     (TorchAll2AllBuffer._agree_counts), and its host part (the all-to-all of one rank replaced by
     a copy: what the stamp adds around the collective, without the collective's own jitter);
-  - two gloo ranks (--ranks 2, CPU), each process pinned to its own core (--cores): rank 0's time
+  - two gloo ranks (--ranks 2, CPU), each process pinned to cores of its own (--cores 4,5 6,7: a
+    rank's main thread and gloo's worker thread each get one; on one core they take turns, and a
+    collective then costs milliseconds, all noise): rank 0's time
     per call, without max_tokens_across_ranks (the pass-count all-reduce runs, carrying the
     verdict) and with it (no all-reduce; the stamp compared in the count exchange).
 
@@ -199,9 +201,9 @@ def _rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    if args.core is not None:  # a core this process may use (on a smaller machine: wrapped)
+    if args.core is not None:  # cores this process may use (on a smaller machine: wrapped)
         allowed = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {allowed[args.core % len(allowed)]})
+        os.sched_setaffinity(0, {allowed[int(c) % len(allowed)] for c in args.core.split(",")})
     torch.set_num_threads(1)
     sys.path.insert(0, args.trees)
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -244,8 +246,8 @@ def _rank_main(args) -> None:
         print(json.dumps(times))
 
 
-def _run_ranks(args, labels: list[str], cores: list[int | None]) -> dict:
-    """Start args.ranks rank processes, each pinned to its core; rank 0's timings."""
+def _run_ranks(args, labels: list[str], cores: list[str | None]) -> dict:
+    """Start args.ranks rank processes, each pinned to its cores; rank 0's timings."""
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for rank in range(args.ranks):
@@ -256,7 +258,7 @@ def _run_ranks(args, labels: list[str], cores: list[int | None]) -> dict:
             if args.out and rank == 0:
                 cmd += ["--partial", f"{args.out}.{args.ranks}ranks.partial"]
             if cores[rank] is not None:
-                cmd += ["--core", str(cores[rank])]
+                cmd += ["--core", cores[rank]]
             procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True,
                                           env={**os.environ, "TRITON_INTERPRET": "0"
                                                if args.device == "cuda" else "1"}))
@@ -300,15 +302,16 @@ def main() -> None:
     parser.add_argument("--prepare", action="store_true", help="write the trees and stop")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--cores", type=int, nargs="*", default=[],
-                        help="cores to pin the ranks to (a rank each; default: not pinned)")
+    parser.add_argument("--cores", nargs="*", default=[],
+                        help="cores to pin the ranks to, a comma-separated set per rank "
+                             "(default: not pinned)")
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", help="the JSON's path (default benchmarks/results/)")
     parser.add_argument("--rank-of", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--labels", help=argparse.SUPPRESS)
-    parser.add_argument("--core", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--core", help=argparse.SUPPRESS)
     parser.add_argument("--partial", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of is not None:
