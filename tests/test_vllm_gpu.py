@@ -63,6 +63,24 @@ def test_vllm_kernel_with_adapters_equals_ours_on_gpu(workspace_manager, pair, M
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("deep_gemm", [
+    False, pytest.param(True, marks=pytest.mark.deep_gemm)], ids=["triton", "deep_gemm"])
+def test_fused_moe_layer_through_the_hook_on_gpu(deep_gemm, monkeypatch):
+    """vLLM's own FusedMoE layer (FusedMoEFactory + Fp8Config, block FP8) on the GPU with the
+    plugin registered: our no-EP prepare/finalize and the experts VLLM_USE_DEEP_GEMM asks for,
+    the checkpoint's weights kept in our layout, bit-equal to our kernel (world size 1, NCCL;
+    the sizes of the kernel test above, whose compiled kernels it reuses)."""
+    from _dist import run_distributed
+    from test_vllm_plugin import _layer_through_the_hook
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1" if deep_gemm else "0")
+    got = run_distributed(_layer_through_the_hook, 1, "cuda", (16, 1024, 512, 4),
+                          backend="nccl")[0]
+    assert got["backend"] == "TRITON"  # vLLM leaves the weights as loaded
+    assert (got["pf"], got["experts"]) == (
+        "VllmNoEPPrepareAndFinalize", "VllmDeepGemmExperts" if deep_gemm else "VllmTritonExperts")
+    assert got["weights_kept"] and got["nonzero"] and got["equal"]
+
+
 @pytest.mark.deep_ep
 @pytest.mark.parametrize("experts", [
     ("VllmBatchedTritonExperts", "BatchedTritonExperts"),
@@ -99,18 +117,3 @@ def _ll_world_size_1(rank, world_size, vllm_cls_name, our_cls_name):
                                        w2_scale=w.w2_scale, global_num_experts=E)
     return bool(torch.equal(out, want) and out.abs().sum() > 0)
 
-
-@pytest.mark.parametrize("deep_gemm", [
-    False, pytest.param(True, marks=pytest.mark.deep_gemm)], ids=["triton", "deep_gemm"])
-def test_fused_moe_layer_through_the_hook_on_gpu(deep_gemm, monkeypatch):
-    """vLLM's own FusedMoE layer (FusedMoEFactory + Fp8Config, block FP8) on the GPU with the
-    plugin registered: our no-EP prepare/finalize and the experts VLLM_USE_DEEP_GEMM asks for,
-    the checkpoint's weights kept in our layout, bit-equal to our kernel (world size 1, NCCL)."""
-    from _dist import run_distributed
-    from test_vllm_plugin import _layer_through_the_hook
-    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1" if deep_gemm else "0")
-    got = run_distributed(_layer_through_the_hook, 1, "cuda", backend="nccl")[0]
-    assert got["backend"] == "TRITON"  # vLLM leaves the weights as loaded
-    assert (got["pf"], got["experts"]) == (
-        "VllmNoEPPrepareAndFinalize", "VllmDeepGemmExperts" if deep_gemm else "VllmTritonExperts")
-    assert got["weights_kept"] and got["nonzero"] and got["equal"]

@@ -118,10 +118,12 @@ def test_selector_leaves_unserved_layers_to_vllm(monkeypatch):
         assert cls is None and "DBO" in reason
 
 
-def _layer_through_the_hook(rank, world_size, device="cpu"):
+def _layer_through_the_hook(rank, world_size, device="cpu", sizes=(E, K, I, TOPK)):
     """One rank of vLLM (world size 1, gloo on the CPU, NCCL on a GPU): build FusedMoEFactory +
-    Fp8Config layers before (on the CPU only) and after register(), load random block-FP8
-    weights, run the second one and our own kernel with the experts class it got."""
+    Fp8Config layers of ``sizes`` (E, K, I, top-k) before (on the CPU only) and after
+    register(), load random block-FP8 weights, run the second one and our own kernel with the
+    experts class it got."""
+    E, K, I, TOPK = sizes
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.forward_context import set_forward_context

@@ -14,7 +14,7 @@
 # A, B and C with our cases and then vLLM's own pairs. K_EXPR narrows C's cases further (pytest
 # -k, e.g. "VllmNoEPPrepareAndFinalize and VllmDeepGemmExperts"). A and B need DeepEP and DeepGEMM
 # (benchmarks/device_build.sh or the carried extensions). Limits: HOST_COST_S, GPU_TESTS_S,
-# HARNESS_S seconds (75, 180, 200; each step under timeout -k 5, `ours` ends within ~300 s);
+# HARNESS_S seconds (70, 210, 210; each step under timeout -k 5, `ours` ends within ~300 s);
 # HARNESS_WORKERS (4) pytest-xdist workers for C where xdist is installed (each case is its own
 # process). Writes RESULTS_DIR/vllm_*.log, vllm_gpu_tests.xml and vllm_harness_singlegpu_*.xml
 # (JUnit) and vllm_host_cost.json: copy what is kept into benchmarks/results/.
@@ -36,6 +36,8 @@ if [[ ! -f $SITE/vllm/_moe_C_stable_libtorch.py || ! -d $VSRC/tests/kernels ]]; 
 fi
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
+t0=$(date +%s)
+stamp() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
 
 # (C) vLLM's own harness with our classes registered (every single-GPU case: ours, then for `all`
 #    vLLM's own pairs as the control), in this process and in the process it spawns for each case
@@ -57,7 +59,7 @@ harness() {
         [[ -n $K_EXPR ]] && select="$select and ($K_EXPR)"
         # shellcheck disable=SC2086  # $workers: no option, or -n and a count
         (cd "$VSRC" && PYTHONPATH="$REPO/tests/vllm_support:$PYTHONPATH" \
-            timeout -k 5 "${HARNESS_S:-200}" python3 -m pytest -v -rA $workers \
+            timeout -k 5 "${HARNESS_S:-210}" python3 -m pytest -v -rA --durations=0 $workers \
             -p mk_registration --confcutdir=tests/kernels -k "$select" \
             --junitxml="$OUT/vllm_harness_singlegpu_$part.xml" \
             tests/kernels/moe/test_modular_kernel_combinations.py) \
@@ -73,17 +75,21 @@ fi
 
 # (A) Host cost per layer call: vLLM's kernel + our classes against our FusedMoEModularKernel,
 #     both experts kinds in one process, nothing else on the GPU.
-timeout -k 5 "${HOST_COST_S:-75}" python3 tests/vllm_support/host_cost.py \
+stamp "host cost"
+timeout -k 5 "${HOST_COST_S:-70}" python3 tests/vllm_support/host_cost.py \
     "$OUT/vllm_host_cost.json" --experts triton,deep_gemm 2>&1 \
     | tee "$OUT/vllm_host_cost.log" || status=1
 
 # (C) in the background, beside (B): our adapters inside vLLM's kernel on the GPU (Triton and
 #     real DeepGEMM experts; the low-latency adapter over a real deep_ep.Buffer at world size 1).
+stamp "GPU tests beside the harness"
 harness &
 harness_pid=$!
-timeout -k 5 "${GPU_TESTS_S:-180}" python3 -m pytest -v -rs -p no:cacheprovider \
+timeout -k 5 "${GPU_TESTS_S:-210}" python3 -m pytest -v -rs --durations=0 -p no:cacheprovider \
     --junitxml="$OUT/vllm_gpu_tests.xml" tests/test_vllm_adapters.py tests/test_vllm_gpu.py \
     2>&1 | tee "$OUT/vllm_gpu_tests.log" || status=1
+stamp "GPU tests done"
 wait $harness_pid || status=1
+stamp "harness done"
 grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT"/vllm_harness_singlegpu_*.log | tail -n 20
 exit $status

@@ -13,14 +13,15 @@ variant is warmed up, then timed three ways:
 - ``gpu_us``: the same loop between two CUDA events.
 ``adapter_fresh_views`` times the adapter without its reuse of vLLM's workspace views (as it was
 before it reused them).
-Then where the host time goes (``split``, launch loops of the Python alone, no kernel runs):
-- ``ours_kernel_us``: our FusedMoEModularKernel with our prepare and experts stubbed (cached
-  prepare result, experts that return at once): our kernel's own Python;
-- ``vllm_plus_adapters_us``: vLLM's FusedMoEKernel with the same stubs under the adapters:
-  vLLM's kernel Python plus the adapters' glue;
-- ``vllm_kernel_us``: vLLM's FusedMoEKernel with the adapters' prepare, finalize, apply and
-  workspace_shapes stubbed: vLLM's own Python alone;
-- ``adapters_us`` = vllm_plus_adapters_us - vllm_kernel_us.
+Then where the host time goes (``split``: the calls as they run, with timers around the methods
+each kernel calls):
+- ``library_under_*_us``: inside the library's prepare, experts apply and finalize (the same
+  work under both kernels: quantisation, layout, GEMM launches...);
+- ``ours_kernel_us``: the rest of our FusedMoEModularKernel's call (its checks, workspaces);
+- ``vllm_kernel_us``: the rest of vLLM's FusedMoEKernel's call, outside the adapters' methods;
+- ``adapters_us``: inside the adapters' methods, outside the library's.
+``split_python_alone`` gives the same three in loops of the Python alone (the library's work, and
+for vllm_kernel_us the adapters' too, replaced by stubs: caches warm, nothing launched).
 The target (issue 28): the adapter's host_us at most 1.05x ours.
 """
 
@@ -77,6 +78,40 @@ def _python_us(fn, calls: int) -> float:
             fn()
         best = min(best, time.perf_counter() - start)
     return best / calls * 1e6
+
+
+def _time_inside(fn, outer, inner, calls: int) -> tuple[float, float, float]:
+    """Mean per call of fn started on an idle GPU: its wall time, and the time spent inside the
+    methods ``outer`` and ``inner`` name ((object, name) pairs; each inner method runs inside an
+    outer one, when there are outer ones). The methods are wrapped as instance attributes for
+    the measurement, then unwrapped."""
+    spent = {"outer": 0.0, "inner": 0.0}
+
+    def timed(obj, name, bucket):
+        method = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[bucket] += time.perf_counter() - start
+
+        setattr(obj, name, wrapper)
+
+    for bucket, methods in (("outer", outer), ("inner", inner)):
+        for obj, name in methods:
+            timed(obj, name, bucket)
+    total = 0.0
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    torch.cuda.synchronize()
+    for obj, name in outer + inner:
+        delattr(obj, name)
+    return tuple(t / calls * 1e6 for t in (total, spent["outer"], spent["inner"]))
 
 
 def measure(experts: str, M: int, calls: int) -> dict:
@@ -138,25 +173,41 @@ def measure(experts: str, M: int, calls: int) -> dict:
                                    "loop_us": _loop_us(adapter_call, calls)}
     theirs.fused_experts._workspaces_kept_by_vllm = True
 
-    # The split: the library's work stubbed under both kernels (instance attributes), then the
-    # adapters' too under vLLM's.
+    # Where the host time goes, in the calls as they run: the time inside the library's
+    # prepare / experts apply / finalize ("library") and inside the adapters' methods vLLM calls.
+    library_of_ours = [(mine.prepare_finalize, "prepare"), (mine.experts, "apply"),
+                       (mine.prepare_finalize, "finalize")]
+    adapter_pf, adapter_ex = theirs.prepare_finalize, theirs.fused_experts
+    library_of_adapter = [(adapter_pf.ours, "prepare"), (adapter_ex.experts, "apply"),
+                          (adapter_pf.ours, "finalize")]
+    adapter_methods = [(adapter_pf, "prepare"), (adapter_pf, "finalize"), (adapter_ex, "apply"),
+                       (adapter_ex, "workspace_shapes")]
+    total, _, library = _time_inside(our_call, [], library_of_ours, calls)
+    split = {"ours_kernel_us": total - library, "library_under_ours_us": library}
+    total, adapters, library = _time_inside(adapter_call, adapter_methods, library_of_adapter,
+                                            calls)
+    split.update(vllm_kernel_us=total - adapters, adapters_us=adapters - library,
+                 library_under_vllm_us=library)
+    rows["split"] = split
+
+    # The same split in a loop of the Python alone (caches warm, nothing launched): the
+    # library's work stubbed under both kernels (instance attributes), then the adapters' too.
     prepared = mine.prepare_finalize.prepare(x, tw, ids, E, None, False)
     for pf in (mine.prepare_finalize, theirs.prepare_finalize.ours):
         pf.prepare = lambda *args, **kwargs: prepared
     for ex in (mine.experts, theirs.fused_experts.experts):
         ex.apply = lambda *args, **kwargs: None
-    split = {"ours_kernel_us": _python_us(our_call, calls * 5),
+    alone = {"ours_kernel_us": _python_us(our_call, calls * 5),
              "vllm_plus_adapters_us": _python_us(adapter_call, calls * 5)}
-    adapter_pf, adapter_ex = theirs.prepare_finalize, theirs.fused_experts
     as_prepared = (prepared.a1q, prepared.a1q_scale, None, None, None)
     shapes = adapter_ex.workspace_shapes(M, 2 * I, K, k, E, E, None, MoEActivation.SILU)
     adapter_pf.prepare = lambda *args, **kwargs: as_prepared
     adapter_pf.finalize = lambda *args, **kwargs: None
     adapter_ex.apply = lambda *args, **kwargs: None
     adapter_ex.workspace_shapes = lambda *args, **kwargs: shapes
-    split["vllm_kernel_us"] = _python_us(adapter_call, calls * 5)
-    split["adapters_us"] = split["vllm_plus_adapters_us"] - split["vllm_kernel_us"]
-    rows["split"] = split
+    alone["vllm_kernel_us"] = _python_us(adapter_call, calls * 5)
+    alone["adapters_us"] = alone["vllm_plus_adapters_us"] - alone["vllm_kernel_us"]
+    rows["split_python_alone"] = alone
     return rows
 
 
