@@ -71,18 +71,20 @@ def _quant_permute_kernel(x_ptr, dest_ptr, src_ptr, q_ptr, s_ptr, M, num_groups,
                      mask=ok[:, None])
             tl.store(s_ptr + d * s_row_stride + groups * s_group_stride, scale, mask=ok)
     else:
-        rows = (pid - n_token_programs).to(tl.int64) * PAD_ROWS + tl.arange(0, PAD_ROWS)
-        in_range = rows < M_sum
-        pad = in_range & (tl.load(src_ptr + rows, mask=in_range, other=0) < 0)
+        # Names differ from the token branch's: Triton wants a name both branches assign to
+        # have one type (rows there is [BLOCK_M * GROUPS_PER_PROG], here [PAD_ROWS]).
+        layout_rows = (pid - n_token_programs).to(tl.int64) * PAD_ROWS + tl.arange(0, PAD_ROWS)
+        in_range = layout_rows < M_sum
+        pad = in_range & (tl.load(src_ptr + layout_rows, mask=in_range, other=0) < 0)
         if tl.sum(pad.to(tl.int32), axis=0) > 0:
             K = num_groups * GROUP
             zeros = tl.zeros([PAD_ROWS, PAD_COLS], tl.float32).to(q_ptr.dtype.element_ty)
             for c0 in range(0, K, PAD_COLS):
                 c = c0 + tl.arange(0, PAD_COLS)
-                tl.store(q_ptr + rows[:, None] * q_row_stride + c[None, :], zeros,
+                tl.store(q_ptr + layout_rows[:, None] * q_row_stride + c[None, :], zeros,
                          mask=pad[:, None] & (c < K)[None, :])
             g = tl.arange(0, BLOCK_G).to(tl.int64)
-            tl.store(s_ptr + rows[:, None] * s_row_stride + g[None, :] * s_group_stride,
+            tl.store(s_ptr + layout_rows[:, None] * s_row_stride + g[None, :] * s_group_stride,
                      tl.zeros([PAD_ROWS, BLOCK_G], tl.float32),
                      mask=pad[:, None] & (g < num_groups)[None, :])
 
