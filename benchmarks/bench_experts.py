@@ -195,6 +195,7 @@ def bench_layer(name, make_experts, w, m_values):
     rows = []
     for M in m_values:
         x, weights, ids = make_inputs(M, LOCAL_NUM_EXPERTS, seed=M)
+        ids = ids.to(torch.int32)  # the vllm rows' ids (vLLM's router gives int32)
         experts = make_experts()
         kw = dict(w1_scale=w[1], w2_scale=w[3], global_num_experts=LOCAL_NUM_EXPERTS)
         kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(defer_input_quant=True), experts)
@@ -338,7 +339,7 @@ def bench_vllm_layer(w, m_values):
     for M in m_values:
         x, weights, ids = make_inputs(M, LOCAL_NUM_EXPERTS, seed=M)
         call = make(w)
-        ids32 = ids.to(torch.int32)
+        ids32 = ids.to(torch.int32)  # our rows' ids too
         layer = lambda: call(x, weights, ids32)  # noqa: E731
         with peak_memory() as peak:
             out = layer()
