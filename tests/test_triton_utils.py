@@ -2,6 +2,8 @@
 roundings against torch's round-to-nearest-even casts on random, tie, subnormal and signed-zero
 values (under the interpreter on CPU, compiled on a GPU), and the cached launch's keys."""
 
+import types
+
 import pytest
 import torch
 import triton
@@ -86,12 +88,14 @@ class _Compiled:
 
 class _Kernel:
     """Stands in for a @triton.jit kernel: kernel[grid](*args) records the call and returns a new
-    compiled kernel, as Triton's JIT entry does."""
+    compiled kernel, as Triton's JIT entry does; params say which parameters are constexprs
+    (by default: a tensor, an int, a float, a constexpr)."""
 
     __name__ = "_fake_kernel"
 
-    def __init__(self):
+    def __init__(self, constexpr=(False, False, False, True)):
         self.jit, self.compiled = [], []
+        self.params = [types.SimpleNamespace(is_constexpr=c) for c in constexpr]
 
     def __getitem__(self, grid):
         def first(*args, num_warps, **options):
@@ -136,21 +140,22 @@ def test_launcher_goes_through_triton_once_per_specialisation(compiled_mode):
 
 
 def test_launcher_new_specialisation_is_compiled_not_served_stale(compiled_mode):
-    """Each argument change that Triton compiles differently goes through Triton once, even
-    after a launch of the same values in the by-value cache: a key too coarse in any part
-    (device, num_warps, dtype, 16-byte alignment, integer class, constexpr) fails here."""
-    kernel = _Kernel()
+    """Each argument change that Triton compiles differently goes through Triton once: a key
+    too coarse in any part (device, num_warps, dtype, 16-byte alignment, runtime integer class,
+    constexpr value) fails here."""
+    kernel = _Kernel(constexpr=(False, False, False, True, True))
     launcher = tu.KernelLauncher(kernel)
     x = _aligned(4096, torch.float32)
-    base = ((x,), (7, 1e-10, True))
+    base = ((x,), (7, 1e-10, True, 128))
     changes = [
-        ((x[16:],), (7, 1e-10, True)),        # 64 bytes on: still aligned -> same kernel
-        ((x[1:],), (7, 1e-10, True)),         # 4 bytes on: not 16-byte aligned
-        ((x.view(torch.int32),), (7, 1e-10, True)),  # another dtype
-        ((x,), (1, 1e-10, True)),             # an int equal to 1
-        ((x,), (32, 1e-10, True)),            # a multiple of 16
-        ((x,), (2**31, 1e-10, True)),         # a 64-bit int
-        ((x,), (7, 1e-10, False)),            # a constexpr
+        ((x[16:],), (7, 1e-10, True, 128)),        # 64 bytes on: still aligned -> same kernel
+        ((x[1:],), (7, 1e-10, True, 128)),         # 4 bytes on: not 16-byte aligned
+        ((x.view(torch.int32),), (7, 1e-10, True, 128)),  # another dtype
+        ((x,), (1, 1e-10, True, 128)),             # an int equal to 1
+        ((x,), (32, 1e-10, True, 128)),            # a multiple of 16
+        ((x,), (2**31, 1e-10, True, 128)),         # a 64-bit int
+        ((x,), (7, 1e-10, False, 128)),            # a constexpr bool
+        ((x,), (7, 1e-10, True, 1024)),            # a constexpr int of 128's int class
     ]
     launcher((1, 1, 1), 4, *base)
     for tensors, scalars in changes:
@@ -164,7 +169,7 @@ def test_launcher_new_specialisation_is_compiled_not_served_stale(compiled_mode)
 
 
 def test_launcher_hooks_see_every_launch(compiled_mode, monkeypatch):
-    kernel = _Kernel()
+    kernel = _Kernel(constexpr=(False, False))
     launcher = tu.KernelLauncher(kernel)
     x = _aligned(64, torch.float32)
     launcher((1, 1, 1), 4, (x,), (7,))
@@ -178,7 +183,7 @@ def test_launcher_by_value_cache_is_bounded(compiled_mode, monkeypatch):
     """Past _MAX_BY_VALUE entries the by-value cache empties; the by-class cache still serves
     the compiled kernel, so Triton runs once."""
     monkeypatch.setattr(tu, "_MAX_BY_VALUE", 4)
-    kernel = _Kernel()
+    kernel = _Kernel(constexpr=(False, False))
     launcher = tu.KernelLauncher(kernel)
     x = _aligned(64, torch.float32)
     for m in range(3, 40, 2):
@@ -197,7 +202,7 @@ def test_launch_splits_the_leading_tensors(compiled_mode, monkeypatch):
     """launch(kernel, grid, args, ...) pads the grid to 3, passes the leading tensors as tensors
     and keeps one launcher per kernel and options."""
     monkeypatch.setattr(tu, "_LAUNCHERS", {})
-    kernel, x = _Kernel(), _aligned(64, torch.float32)
+    kernel, x = _Kernel((False, False, False, True)), _aligned(64, torch.float32)
     tu.launch(kernel, (2,), (x, x, 5, True), 4, enable_fp_fusion=False)
     tu.launch(kernel, (3, 2), (x, x, 7, True), 4, enable_fp_fusion=False)
     assert kernel.jit == [((2, 1, 1), (x, x, 5, True), 4, {"enable_fp_fusion": False})]
@@ -274,3 +279,82 @@ def test_gpu_launcher_matches_triton_jit():
         got = torch.full_like(x, float("nan"))
         launcher((triton.cdiv(n, 256), 1, 1), 4, (x, got), (n, 0.37, 256))
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_kernel_without_params_keys_every_scalar_by_value(compiled_mode):
+    """Where a kernel does not list its parameters, a new value of any scalar is a new kernel
+    (nothing is known to be a runtime int)."""
+    kernel = _Kernel()
+    del kernel.params
+    launcher = tu.KernelLauncher(kernel)
+    x = _aligned(64, torch.float32)
+    launcher((1, 1, 1), 4, (x,), (7,))
+    launcher((1, 1, 1), 4, (x,), (9,))
+    assert len(kernel.jit) == 2
+
+
+def _triton_binder(kernel):
+    """(the JITFunction of kernel, Triton's own binder for it): the binder gives the
+    specialisation of a call (the argument part of the compile-cache key) for an sm_90 target.
+    Skips where this Triton's internals differ."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+        backend = CUDABackend(GPUTarget("cuda", 90, 32))
+        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+        return jit, create_function_from_signature(jit.signature, jit.params, backend)
+    except (ImportError, AttributeError, TypeError) as e:
+        pytest.skip(f"Triton's binder is not reachable here: {e!r}")
+
+
+def _ops_kernels():
+    from vllm_moe_fixes.ops.activation import _silu_and_mul_kernel
+    from vllm_moe_fixes.ops.fp8_quant import _per_token_group_quant_fp8_kernel
+    from vllm_moe_fixes.ops.moe_sum import _moe_sum_kernel
+    from vllm_moe_fixes.ops.silu_mul_quant import _silu_and_mul_quant_fp8_kernel
+    return [(_silu_and_mul_kernel, 2), (_per_token_group_quant_fp8_kernel, 3),
+            (_moe_sum_kernel, 3), (_silu_and_mul_quant_fp8_kernel, 4)]
+
+
+# integers by what Triton's specialisation of a runtime int reads (_int_class): a sibling of a
+# value is another value of its class
+_INT_SIBLINGS = [[1], [2, 7, 1001], [16, 128, 1024, 7168], [2**31 + 1, 2**31 + 3],
+                 [2**31 + 16, 2**32]]
+
+
+def _sibling(v, pick):
+    if type(v) is float:  # noqa: E721
+        return pick([1e-10, 0.5])
+    if type(v) is int:  # noqa: E721
+        return pick(next(s for s in _INT_SIBLINGS if v in s))
+    return v
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_class_keys_follow_tritons_specialisation(index):
+    """For the ops' kernels: random argument sets, and each with one scalar replaced by another
+    value of its runtime class (7 -> 1001, 128 -> 1024, 0.5 -> 1e-10): where the two by-class keys
+    are equal, Triton's own binder gives equal specialisations. A key too coarse anywhere (e.g.
+    a constexpr BLOCK of 128 and of 1024 under one key) fails here."""
+    kernel, num_tensors = _ops_kernels()[index]
+    jit, binder = _triton_binder(kernel)  # a JITFunction also under the interpreter
+    launcher = tu.KernelLauncher(jit)
+    flags = tu._constexpr_flags(jit)[num_tensors:]
+    g = torch.Generator().manual_seed(index)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa
+    compared = 0
+    for _ in range(200):
+        tensors = tuple(_aligned(64, pick([torch.bfloat16, torch.float32]))[pick([0, 0, 1]):]
+                        for _ in range(num_tensors))
+        scalars = [pick([False, True]) if const and pick([0, 1]) else
+                   pick([1e-10, 0.5]) if not const and pick([0, 0, 1]) else
+                   pick(pick(_INT_SIBLINGS)) for const in flags]
+        i = pick(range(len(scalars)))
+        sibling = [*scalars[:i], _sibling(scalars[i], pick), *scalars[i + 1:]]
+        keys = [launcher._class_key(0, 4, tensors, tuple(s)) for s in (scalars, sibling)]
+        if keys[0] == keys[1]:
+            compared += 1
+            specs = [binder(*tensors, *s, num_warps=4)[1] for s in (scalars, sibling)]
+            assert specs[0] == specs[1], (i, scalars[i], sibling[i])
+    assert compared > 50

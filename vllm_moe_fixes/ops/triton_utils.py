@@ -70,8 +70,10 @@ def round_to_e4m3_grid(v):
 #       is finer than Triton's specialisation (never too coarse). It holds one entry per shape
 #       and stride combination seen and is emptied when it passes _MAX_BY_VALUE entries.
 #   by class: what Triton specialises on (_arg_class: dtypes and 16-byte alignment, `_int_class`
-#       of each integer, float, constexpr values) -> the same entry; consulted on a by-value miss,
-#       so a new M reuses the compiled kernel without Triton's binder.
+#       of each runtime integer, float; the value of every constexpr parameter, read from the
+#       kernel's signature: BLOCK 128 and 1024 share an int class but not a kernel) -> the same
+#       entry; consulted on a by-value miss, so a new M reuses the compiled kernel without
+#       Triton's binder.
 # The launch passes each tensor as its data pointer (an int, which Triton's launcher takes as
 # is): Triton would call data_ptr() and ask the driver about the pointer again. The caller
 # guarantees CUDA tensors on the current device (the public ops check the device). It calls
@@ -94,14 +96,20 @@ def _int_class(v: int) -> int:
 
 
 def _arg_class(a):
-    """One argument's share of a by-class key (what Triton specialises on, see above)."""
+    """One runtime argument's share of a by-class key (what Triton specialises on, see above)."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if type(a) is int:  # noqa: E721 (a bool is a constexpr or an i1, keyed by its value)
         return _int_class(a)
     if type(a) is float:  # noqa: E721 (every float is an fp32 argument)
         return float
-    return type(a), a  # constexprs (bool, None, ...): by value
+    return type(a), a  # bool, None, ...: by value
+
+
+def _constexpr_flags(kernel) -> tuple:
+    """Which of the kernel's parameters are constexprs, in signature order; () where the kernel
+    does not say (then every scalar is keyed by value)."""
+    return tuple(bool(p.is_constexpr) for p in getattr(kernel, "params", ()))
 
 
 def _hooked() -> bool:
@@ -154,6 +162,7 @@ class KernelLauncher:
         self.options = options
         self._by_value: dict = {}  # by-value key -> _direct_launch of the compiled kernel
         self._by_class: dict = {}
+        self._constexpr = _constexpr_flags(kernel)
 
     def __call__(self, grid: tuple, num_warps: int, tensors: tuple, scalars: tuple) -> None:
         """kernel[grid](*tensors, *scalars, num_warps=num_warps, **options) on the current CUDA
@@ -177,6 +186,14 @@ class KernelLauncher:
         entry(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), *ptrs,
               *scalars)
 
+    def _class_key(self, device, num_warps, tensors, scalars) -> tuple:
+        """What Triton specialises on (see above): constexpr parameters by value."""
+        flags = self._constexpr[len(tensors):]
+        if len(flags) != len(scalars):  # the kernel does not say: every scalar by value
+            flags = (True,) * len(scalars)
+        return (device, num_warps, *map(_arg_class, tensors),
+                *((type(s), s) if const else _arg_class(s) for s, const in zip(scalars, flags)))
+
     def _first_launch(self, key, grid, num_warps, tensors, scalars):
         """The launch entry of a by-value miss: from the by-class cache, or from a launch through
         Triton (then None is returned: that launch ran). Every launch under a hook goes here."""
@@ -184,7 +201,7 @@ class KernelLauncher:
             if isinstance(s, torch.Tensor):
                 raise ValueError(f"{self.kernel.__name__}: a tensor among the scalar arguments "
                                  f"(tensors come first in the kernel's signature)")
-        class_key = (key[0], num_warps, *map(_arg_class, tensors), *map(_arg_class, scalars))
+        class_key = self._class_key(key[0], num_warps, tensors, scalars)
         entry = self._by_class.get(class_key)
         if entry is None or _hooked():
             compiled = self.kernel[grid](*tensors, *scalars, num_warps=num_warps, **self.options)
