@@ -150,6 +150,9 @@ class VllmExperts(mk.FusedMoEExpertsModular):
         tokens_per_pass = self._pending_tokens_per_pass
         if tokens_per_pass is None:
             tokens_per_pass = self._pending_tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
+        if torch.compiler.is_compiling():  # M is symbolic: a dict lookup would fix its value
+            return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts,
+                                                 tokens_per_pass=tokens_per_pass)
         key = (M, N, K, topk, local_num_experts, tokens_per_pass)
         shapes = self._shapes.get(key)
         if shapes is None:
@@ -176,7 +179,7 @@ class VllmExperts(mk.FusedMoEExpertsModular):
         self._pending_tokens_per_pass = None
         if tokens_per_pass is None:  # called without workspace_shapes before it
             tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
-        if self._workspaces_kept_by_vllm:
+        if self._workspaces_kept_by_vllm and not torch.compiler.is_compiling():
             workspace13, workspace2 = self._stable_workspaces(workspace13, workspace2)
         self._apply_ours(output, hidden_states, self._checked_weights(hidden_states, w1, w2),
                          topk_weights=topk_weights, topk_ids=topk_ids,
@@ -230,7 +233,8 @@ class VllmExperts(mk.FusedMoEExpertsModular):
         the views they carve on the workspace objects (workspaces.views_cached_on), which a
         fresh object misses. The views kept hold vLLM's buffer: when vLLM replaces it (it grows
         before its manager is locked), this layer's first call that sees the new one lets the
-        old go (vLLM's CPU kernel allocates per call: nothing is kept there)."""
+        old go (vLLM's CPU kernel allocates per call: nothing is kept there). Not while
+        torch.compile traces the call: a traced graph makes its views anew on every run."""
         key = (workspace13.data_ptr(), workspace13.shape, workspace2.data_ptr(),
                workspace2.shape, workspace13.dtype)
         views = self._workspace_views.get(key)
