@@ -32,7 +32,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
-from vllm_moe_fixes.ops.triton_utils import INTERPRETING
 from vllm_moe_fixes.sizes import cdiv
 
 
@@ -40,37 +39,43 @@ from vllm_moe_fixes.sizes import cdiv
 # Block configuration
 # ----------------------------------------------------------------------------------------------
 # A config is a dict with the keys of DEFAULT_CONFIG: BLOCK_M, BLOCK_N (tile), GROUP_M (M tiles
-# per L2 swizzle group), num_warps, num_stages, SPLIT_M / SPLIT_N, IMPRECISE_ACC,
-# WARP_SPECIALIZE. BLOCK_K is SCALE_BLOCK (one scale per K block).
+# per L2 swizzle group), num_warps, num_stages, IMPRECISE_ACC, WARP_SPECIALIZE. BLOCK_K is
+# SCALE_BLOCK (one scale per K block).
 #
-# SPLIT_M / SPLIT_N = 2: the tile is computed as two sub-tiles (upper / lower or left / right
-# halves), each with its own dot and float32 accumulator: a thread holds two accumulators and one
-# block product instead of a whole tile's two, so larger tiles fit in registers and each K block's
-# bytes feed more tensor-core work (L2 reads per MFLOP: 12 KiB at 64x128, 8 at 128x128, 6 at
-# 128x256). Every sub-tile's sum is the unsplit tile's, bit for bit.
-#
-# IMPRECISE_ACC: how many K elements Hopper's FP8 tensor cores sum in their own accumulator (about
-# 14 mantissa bits) before the partial sum is added in float32 (`tl.dot`'s max_num_imprecise_acc).
-# 0 keeps Triton's default on SM90, a whole 128-wide scale block, which is also what DeepGEMM does:
-# on the H200 the default's output equals DeepGEMM's (calc_diff 0 on every bench shape) and both
-# miss the exact block product's bf16 value in 6.8% of elements, 64 in 4.3%, 32 in 2.6%, at 0.87 /
-# 0.62 of the default's TFLOP/s (benchmarks/results/grouped_gemm_accuracy.json). Other GPUs and the
+# IMPRECISE_ACC: how many K elements Hopper's FP8 tensor cores sum in their own accumulator before
+# the partial sum is added in float32. Their FP8 accumulator keeps only about 14 mantissa bits, and
+# Triton's default on SM90 (max_num_imprecise_acc = 2**30) leaves a whole 128-wide scale block
+# there (the 4 wgmma steps of K = 32); 32 or 64 adds each wgmma step's (or pair's) partial in
+# float32 (`tl.dot`'s max_num_imprecise_acc). 0 keeps Triton's default, which is also what
+# DeepGEMM does (it promotes once per 128 of K): on the H200 the default's output equals
+# DeepGEMM's (calc_diff 0 on every bench shape) and both miss the exact block product's bf16 value
+# in 6.8% of elements, 64 in 4.3%, 32 in 2.6%, at 0.87 / 0.62 of the default's TFLOP/s
+# (benchmarks/results/grouped_gemm_accuracy.json, kernels_h200.log). Other GPUs and the
 # interpreter accumulate in float32 throughout and ignore it.
-# WARP_SPECIALIZE: Triton's automatic warp specialisation of the K loop (triton 3.6, Hopper); at
-# 4 x 8192, N 4096, K 7168 888 vs 892 TFLOP/s contiguous, 423 vs 899 masked, so it stays off.
+# WARP_SPECIALIZE: Triton's automatic warp specialisation of the K loop (producer / consumer
+# partitions; triton 3.6 implements it for Hopper). Measured at 4 x 8192, N 4096, K 7168: 888 vs
+# 892 TFLOP/s contiguous, 423 vs 899 masked, so it stays off.
+# Larger tiles do not pay here: 128x128 (8 warps, or 4 warps with the tile computed as two
+# 64-row halves, each with its own accumulator), 64x256 and 128x256 (two 128-column halves) ran
+# at 0.45-0.82 of the default on the bench shapes (contiguous; masked up to 0.99), with or without
+# warp specialisation (benchmarks/results/grouped_gemm_sweep_h200.log, two runs).
 # BLOCK_M must divide ROW_ALIGNMENT = 128 (a tile never spans two experts' segments); BLOCK_N is
 # a power of two up to 256 (a TMA box dimension; it then divides SCALE_BLOCK or is 256: a tile
 # never splits a weight-scale block).
 #
 # A and W blocks are loaded through host TMA descriptors (A as [rows, K], W as [E*N, K]; rows
 # past the end read as zeros, rows of a neighbouring expert are never stored). At 64x128 with 4
-# warps the kernel needs 165 registers, so 3 CTAs share an SM at num_stages=3 (72 KiB of shared
-# memory). Pointer loads remain for operands a descriptor cannot describe (see _tma_views).
+# warps the kernel then needs 165 registers, so 3 CTAs share an SM at num_stages=3 (72 KiB of
+# shared memory). Per-thread pointer loads remain only for operands a descriptor cannot describe
+# (see _tma_views).
 #
-# Default: 0.98 of the per-shape best (geometric mean) of 30 configs in the H200 sweep of
-# benchmarks/results/grouped_gemm_config_h200.txt; the masked kernel takes the same default.
-DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, num_warps=4, num_stages=3,
-                      SPLIT_M=1, SPLIT_N=1, IMPRECISE_ACC=0, WARP_SPECIALIZE=False)
+# Default: the best tile of 30 configs in the H200 sweep of
+# benchmarks/results/grouped_gemm_config_h200.txt; GROUP_M 32 rather than 16 from two later runs
+# of both (contiguous 0.995 / 0.993 of the per-shape best vs 0.968 / 0.985, masked 0.991 / 0.985
+# vs 0.982 / 0.977; grouped_gemm_sweep_h200.log). The masked kernel shares the main loop and the
+# TMA operand shapes, so it takes the same default.
+DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=32, num_warps=4, num_stages=3,
+                      IMPRECISE_ACC=0, WARP_SPECIALIZE=False)
 
 
 def default_config() -> dict:
@@ -89,13 +94,6 @@ def _resolve_config(config: dict | None) -> dict:
         raise ValueError(f"config: BLOCK_M must divide 128 (16/32/64/128), got {cfg['BLOCK_M']}")
     if cfg["BLOCK_N"] not in (16, 32, 64, 128, 256):
         raise ValueError(f"config: BLOCK_N must be 16/32/64/128/256, got {cfg['BLOCK_N']}")
-    if (cfg["SPLIT_M"], cfg["SPLIT_N"]) not in ((1, 1), (2, 1), (1, 2)):
-        raise ValueError(f"config: SPLIT_M / SPLIT_N must be 1 / 1, 2 / 1 or 1 / 2, got "
-                         f"{cfg['SPLIT_M']} / {cfg['SPLIT_N']}")
-    if cfg["BLOCK_M"] // cfg["SPLIT_M"] < 16 or cfg["BLOCK_N"] // cfg["SPLIT_N"] < 16:
-        raise ValueError(f"config: a sub-tile needs at least 16 rows and columns, got "
-                         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} split "
-                         f"{cfg['SPLIT_M']}x{cfg['SPLIT_N']}")
     if cfg["IMPRECISE_ACC"] not in (0, 32, 64, 128):
         raise ValueError(f"config: IMPRECISE_ACC must be 0/32/64/128, got {cfg['IMPRECISE_ACC']}")
     return cfg
@@ -145,8 +143,7 @@ def _signature(t: torch.Tensor) -> tuple:
 
 def _descriptors(cfg: dict, a_q: torch.Tensor, w_q: torch.Tensor) -> list:
     """[A descriptor, W descriptor] for TMA, or [None, None] when _tma_views refuses."""
-    sub_m, sub_n = cfg["BLOCK_M"] // cfg["SPLIT_M"], cfg["BLOCK_N"] // cfg["SPLIT_N"]
-    key = (id(a_q), id(w_q), sub_m, sub_n)
+    key = (id(a_q), id(w_q), cfg["BLOCK_M"], cfg["BLOCK_N"])
     signatures = (_signature(a_q), _signature(w_q))
     entry = _DESCRIPTORS.get(key)
     if entry is not None and entry[0]() is a_q and entry[1]() is w_q and \
@@ -156,8 +153,8 @@ def _descriptors(cfg: dict, a_q: torch.Tensor, w_q: torch.Tensor) -> list:
     # The descriptors' base tensors are detached (not views: a view keeps its base's Python
     # object alive), so an entry refers to the operands only weakly.
     descs = [None, None] if views is None else [
-        TensorDescriptor.from_tensor(views[0].detach(), [sub_m, SCALE_BLOCK]),
-        TensorDescriptor.from_tensor(views[1].detach(), [sub_n, SCALE_BLOCK])]
+        TensorDescriptor.from_tensor(views[0].detach(), [cfg["BLOCK_M"], SCALE_BLOCK]),
+        TensorDescriptor.from_tensor(views[1].detach(), [cfg["BLOCK_N"], SCALE_BLOCK])]
 
     def drop(ref, key=key):
         held = _DESCRIPTORS.get(key)
@@ -191,130 +188,49 @@ def _swizzle(tile, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-# Whether _zeros_after may use PTX (Triton's interpreter runs no inline assembly).
-_OPAQUE_ZEROS: tl.constexpr = tl.constexpr(not INTERPRETING)
-
-
 @triton.jit
-def _zeros_after(x):
-    """Zeros like x that the compiler cannot compute before x (an opaque 0 per element): a dot
-    accumulating into them starts after x is complete. Otherwise the compiler moves the first
-    sub-tile's scaling past the second sub-tile's dot, and both block products live at once."""
-    if _OPAQUE_ZEROS:
-        return tl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.zeros(x.shape, dtype=tl.float32)
-
-
-@triton.jit
-def _scaled_block_update(acc, a, w, a_s_ptrs, w_s_ptrs, kb, stride_ask, stride_wsk,
-                         SUB_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         IMPRECISE_ACC: tl.constexpr, after=None):
-    """acc + dot(a, w) * a_s * w_s for K block kb of one sub-tile (a_s per row; w_s a scalar when
-    the sub-tile lies in one 128-column scale block); `after`: what the dot waits for, or None."""
-    if after is None:
-        start = tl.zeros(acc.shape, dtype=tl.float32)
-    else:
-        start = _zeros_after(after)
-    if IMPRECISE_ACC == 0:
-        part = tl.dot(a, w, start)
-    else:
-        part = tl.dot(a, w, start, max_num_imprecise_acc=IMPRECISE_ACC)
-    a_s = tl.load(a_s_ptrs + kb * stride_ask)
-    if SUB_N <= BLOCK_K:
-        acc += part * (a_s * tl.load(w_s_ptrs + kb * stride_wsk))[:, None]
-    else:
-        acc += part * (a_s[:, None] * tl.load(w_s_ptrs + kb * stride_wsk)[None, :])
-    return acc
-
-
-@triton.jit
-def _w_scale_ptrs(w_s_ptr, cols, stride_wsn, SUB_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    if SUB_N <= BLOCK_K:  # the sub-tile lies inside one 128-column weight-scale block: a scalar
-        return w_s_ptr + (tl.min(cols) // BLOCK_K) * stride_wsn
-    else:
-        return w_s_ptr + (cols // BLOCK_K) * stride_wsn
-
-
-@triton.jit
-def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, m0, row_end, n0, N, K,
+def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
                       stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk,
                       a_desc, w_desc, a_row, w_row,
-                      SUB_M: tl.constexpr, SUB_N: tl.constexpr, SPLIT_M: tl.constexpr,
-                      SPLIT_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-                      IMPRECISE_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """(acc0, acc1): float32 [SUB_M, SUB_N] sums over K blocks of dot(A_blk, W_blk^T) * a_s * w_s
-    for the tile's sub-tiles: sub-tile 0 at rows m0.., columns n0..; sub-tile 1 the next SUB_M
-    rows (SPLIT_M == 2) or SUB_N columns (SPLIT_N == 2); acc1 is unused when neither is 2.
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                      WARP_SPECIALIZE: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N] = sum over K blocks of dot(A_blk, W_blk^T) * a_s * w_s.
 
-    Rows are clamped below row_end, columns below N (int64; no masks in the loop); scale offsets
-    (kb * stride) stay 32-bit, as a_s has M*K/128 elements. With TMA the blocks come from the
-    descriptors at rows a_row (of A) / w_row (of W), else through per-thread pointers. W blocks
-    are used as [BLOCK_K, SUB_N], K-major, as Hopper's FP8 wgmma takes them from shared memory."""
+    `rows` / `cols` are int64 indices already clamped into range (no masks in the loop); scale
+    offsets (kb * stride) stay 32-bit, as a_s has M*K/128 elements. With TMA, the blocks come
+    from the descriptors at rows a_row (of A) / w_row (of W) and column k; otherwise through
+    per-thread pointers. The W tile is used as [BLOCK_K, BLOCK_N] with K contiguous (K-major B),
+    which Hopper's FP8 wgmma takes directly from shared memory.
+    """
     offs_k = tl.arange(0, BLOCK_K)
-    rows0 = tl.minimum(m0 + tl.arange(0, SUB_M), row_end - 1)
-    cols0 = tl.minimum(n0 + tl.arange(0, SUB_N), N - 1)
-    rows1 = tl.minimum(m0 + (SPLIT_M - 1) * SUB_M + tl.arange(0, SUB_M), row_end - 1)
-    cols1 = tl.minimum(n0 + (SPLIT_N - 1) * SUB_N + tl.arange(0, SUB_N), N - 1)
-    a_ptrs0 = a_ptr + rows0[:, None] * stride_am + offs_k[None, :]
-    a_ptrs1 = a_ptr + rows1[:, None] * stride_am + offs_k[None, :]
-    w_ptrs0 = w_ptr + cols0[None, :] * stride_wn + offs_k[:, None]
-    w_ptrs1 = w_ptr + cols1[None, :] * stride_wn + offs_k[:, None]
-    a_s_ptrs0 = a_s_ptr + rows0 * stride_asm
-    a_s_ptrs1 = a_s_ptr + rows1 * stride_asm
-    w_s_ptrs0 = _w_scale_ptrs(w_s_ptr, cols0, stride_wsn, SUB_N, BLOCK_K)
-    w_s_ptrs1 = _w_scale_ptrs(w_s_ptr, cols1, stride_wsn, SUB_N, BLOCK_K)
-    acc0 = tl.zeros((SUB_M, SUB_N), dtype=tl.float32)
-    acc1 = tl.zeros((SUB_M, SUB_N), dtype=tl.float32)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None]
+    a_s_ptrs = a_s_ptr + rows * stride_asm
+    if BLOCK_N <= BLOCK_K:  # the tile lies inside one 128-column weight-scale block: one scalar
+        w_s_ptrs = w_s_ptr + (tl.min(cols) // BLOCK_K) * stride_wsn
+    else:
+        w_s_ptrs = w_s_ptr + (cols // BLOCK_K) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in tl.range(0, K // BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         if TMA:
-            a0 = a_desc.load([a_row, kb * BLOCK_K])
-            w0 = w_desc.load([w_row, kb * BLOCK_K]).T
+            a = a_desc.load([a_row, kb * BLOCK_K])
+            w = w_desc.load([w_row, kb * BLOCK_K]).T
         else:
-            a0 = tl.load(a_ptrs0 + kb * BLOCK_K)
-            w0 = tl.load(w_ptrs0 + kb * BLOCK_K)
-        acc0 = _scaled_block_update(acc0, a0, w0, a_s_ptrs0, w_s_ptrs0, kb, stride_ask,
-                                    stride_wsk, SUB_N, BLOCK_K, IMPRECISE_ACC)
-        # The second sub-tile: the next SUB_M rows of A (SPLIT_M) or SUB_N rows of W (SPLIT_N).
-        if SPLIT_M > 1:
-            if TMA:
-                a1 = a_desc.load([a_row + SUB_M, kb * BLOCK_K])
-            else:
-                a1 = tl.load(a_ptrs1 + kb * BLOCK_K)
-            acc1 = _scaled_block_update(acc1, a1, w0, a_s_ptrs1, w_s_ptrs0, kb, stride_ask,
-                                        stride_wsk, SUB_N, BLOCK_K, IMPRECISE_ACC, acc0)
-        if SPLIT_N > 1:
-            if TMA:
-                w1 = w_desc.load([w_row + SUB_N, kb * BLOCK_K]).T
-            else:
-                w1 = tl.load(w_ptrs1 + kb * BLOCK_K)
-            acc1 = _scaled_block_update(acc1, a0, w1, a_s_ptrs0, w_s_ptrs1, kb, stride_ask,
-                                        stride_wsk, SUB_N, BLOCK_K, IMPRECISE_ACC, acc0)
-    return acc0, acc1
-
-
-@triton.jit
-def _store_contiguous(out_ptr, m_idx_ptr, acc, expert, m0, n0, M, N, stride_om,
-                      SUB_M: tl.constexpr, SUB_N: tl.constexpr):
-    """Store one sub-tile; its rows of another expert (trailing -1 padding) as exact zeros."""
-    offs_m = m0 + tl.arange(0, SUB_M)
-    offs_n = n0 + tl.arange(0, SUB_N)
-    row_experts = tl.load(m_idx_ptr + offs_m, mask=offs_m < M, other=-1)
-    acc = tl.where((row_experts == expert)[:, None], acc, 0.0)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _store_masked(out_ptr, acc, m0, n0, valid, N, stride_om,
-                  SUB_M: tl.constexpr, SUB_N: tl.constexpr):
-    offs_m = m0 + tl.arange(0, SUB_M)
-    offs_n = n0 + tl.arange(0, SUB_N)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = (offs_m[:, None] < valid) & (offs_n[None, :] < N)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if IMPRECISE_ACC == 0:
+            part = tl.dot(a, w)
+        else:
+            part = tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_ACC)
+        a_s = tl.load(a_s_ptrs + kb * stride_ask)
+        if BLOCK_N <= BLOCK_K:
+            acc += part * (a_s * tl.load(w_s_ptrs + kb * stride_wsk))[:, None]
+        else:
+            acc += part * (a_s[:, None] * tl.load(w_s_ptrs + kb * stride_wsk)[None, :])
+    return acc
 
 
 @triton.jit
@@ -323,33 +239,30 @@ def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N,
                        stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
                        a_desc, w_desc,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, SPLIT_M: tl.constexpr, SPLIT_N: tl.constexpr,
-                       TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                       GROUP_M: tl.constexpr, TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
                        WARP_SPECIALIZE: tl.constexpr):
-    SUB_M: tl.constexpr = BLOCK_M // SPLIT_M
-    SUB_N: tl.constexpr = BLOCK_N // SPLIT_N
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    m0 = pid_m.to(tl.int64) * BLOCK_M
-    n0 = pid_n.to(tl.int64) * BLOCK_N
-    # Sub-tile 1's origin (equal to sub-tile 0's when the tile is not split; then not stored).
-    m1 = m0 + (SPLIT_M - 1) * SUB_M
-    n1 = n0 + (SPLIT_N - 1) * SUB_N
-    expert = tl.load(m_idx_ptr + m0)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(m_idx_ptr + pid_m.to(tl.int64) * BLOCK_M)
     if expert >= 0:
+        rows = tl.minimum(offs_m, M - 1)
+        cols = tl.minimum(offs_n, N - 1)
         e = expert.to(tl.int64)
-        acc0, acc1 = _block_scaled_mma(
-            a_ptr, a_s_ptr, w_ptr + e * stride_we, w_s_ptr + e * stride_wse, m0, M, n0, N, K,
-            stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
-            pid_m * BLOCK_M, expert * N + pid_n * BLOCK_N,
-            SUB_M, SUB_N, SPLIT_M, SPLIT_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
+        acc = _block_scaled_mma(a_ptr, a_s_ptr, w_ptr + e * stride_we, w_s_ptr + e * stride_wse,
+                                rows, cols, K, stride_am, stride_asm, stride_ask,
+                                stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
+                                pid_m * BLOCK_M, expert * N + pid_n * BLOCK_N,
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
+        # Trailing -1 rows of the expert's last tile are padding: exact zeros.
+        row_experts = tl.load(m_idx_ptr + offs_m, mask=offs_m < M, other=-1)
+        acc = tl.where((row_experts == expert)[:, None], acc, 0.0)
     else:  # the whole tile is padding (segments start at multiples of 128)
-        acc0 = tl.zeros((SUB_M, SUB_N), dtype=tl.float32)
-        acc1 = tl.zeros((SUB_M, SUB_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Output addresses are formed after the K loop so they do not hold registers through it.
-    _store_contiguous(out_ptr, m_idx_ptr, acc0, expert, m0, n0, M, N, stride_om, SUB_M, SUB_N)
-    if SPLIT_M * SPLIT_N > 1:
-        _store_contiguous(out_ptr, m_idx_ptr, acc1, expert, m1, n1, M, N, stride_om, SUB_M,
-                          SUB_N)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -358,29 +271,27 @@ def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, 
                    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                    stride_oe, stride_om, a_desc, w_desc,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, SPLIT_M: tl.constexpr, SPLIT_N: tl.constexpr,
-                   TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                   GROUP_M: tl.constexpr, TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
                    WARP_SPECIALIZE: tl.constexpr):
-    SUB_M: tl.constexpr = BLOCK_M // SPLIT_M
-    SUB_N: tl.constexpr = BLOCK_N // SPLIT_N
     e = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     valid = tl.minimum(tl.load(masked_m_ptr + e), T)
     if pid_m * BLOCK_M < valid:  # tiles past masked_m[e] do nothing
-        m0 = pid_m.to(tl.int64) * BLOCK_M
-        n0 = pid_n.to(tl.int64) * BLOCK_N
+        offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_m, valid - 1)
+        cols = tl.minimum(offs_n, N - 1)
         # TMA rows: A is [E*T, K] (rows past valid may be the next expert's: never stored).
-        acc0, acc1 = _block_scaled_mma(
-            a_ptr + e * stride_ae, a_s_ptr + e * stride_ase,
-            w_ptr + e * stride_we, w_s_ptr + e * stride_wse, m0, valid, n0, N, K,
-            stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
-            (e * T + pid_m * BLOCK_M).to(tl.int32), (e * N + pid_n * BLOCK_N).to(tl.int32),
-            SUB_M, SUB_N, SPLIT_M, SPLIT_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
-        out = out_ptr + e * stride_oe
-        _store_masked(out, acc0, m0, n0, valid, N, stride_om, SUB_M, SUB_N)
-        if SPLIT_M * SPLIT_N > 1:
-            _store_masked(out, acc1, m0 + (SPLIT_M - 1) * SUB_M, n0 + (SPLIT_N - 1) * SUB_N,
-                          valid, N, stride_om, SUB_M, SUB_N)
+        acc = _block_scaled_mma(a_ptr + e * stride_ae, a_s_ptr + e * stride_ase,
+                                w_ptr + e * stride_we, w_s_ptr + e * stride_wse,
+                                rows, cols, K, stride_am, stride_asm, stride_ask,
+                                stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
+                                (e * T + pid_m * BLOCK_M).to(tl.int32),
+                                (e * N + pid_n * BLOCK_N).to(tl.int32),
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
+        out_ptrs = out_ptr + e * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
+        out_mask = (offs_m[:, None] < valid) & (offs_n[None, :] < N)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # ----------------------------------------------------------------------------------------------
