@@ -20,10 +20,10 @@ GEMMs: acc32, the first only: acc32_gemm1), by the exact block product (float64 
 block, ``grouped_fp8_gemm_contiguous_ref``: exact), and of our layer with activation scales
 rounded up to powers of two (ue8m0: what vLLM's quant does where DeepGEMM's E8M0 is in use), at
 K >= 4096. The test's verdict is unchanged.
-``--ours-follow-e8m0`` runs the first call's layer with those power-of-two scales where vLLM
-uses them (the modular call, through our adapters, is left as it is). ``--ours-shard i/n`` keeps
-every n-th case from i, so n processes can share one GPU (the reference is a launch-bound loop of
-small matmuls).
+``--ours-follow-e8m0`` runs both calls (our layer, and vLLM's kernel around our adapters) with
+those power-of-two scales where vLLM uses them. ``--ours-shard i/n`` keeps every n-th case from i,
+so n processes can share one GPU (the reference is a launch-bound loop of small matmuls);
+``--ours-match REGEX`` keeps the cases whose name matches.
 
     cd $VLLM_SRC && PYTHONPATH=$REPO/tests/vllm_support:$REPO:$VLLM_SITE python -m pytest \\
         -p mk_registration -p block_fp8_ours --confcutdir=tests/kernels \\
@@ -33,6 +33,8 @@ small matmuls).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -48,6 +50,8 @@ def pytest_addoption(parser):
     parser.addoption("--ours-follow-e8m0", action="store_true",
                      help="run our layer with power-of-two activation scales where vLLM's "
                           "is_deep_gemm_e8m0_used() holds (as vLLM's own experts do)")
+    parser.addoption("--ours-match", default="",
+                     help="keep only the cases whose name matches this regular expression")
 
 
 def _our_layer_call(a, w1, w2, topk_weights, topk_ids, quant_config):
@@ -117,13 +121,13 @@ def _make_fused_experts(diagnose: bool, follow_e8m0: bool):
         if unused:
             raise ValueError(f"fused_experts stand-in: unexpected arguments {sorted(unused)}")
         args = (a, w1, w2, topk_weights, topk_ids, quant_config)
+        _VARIANTS.clear()
         if follow_e8m0:
             from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
 
             if is_deep_gemm_e8m0_used():
                 with _Ue8m0Activations():
                     return _our_layer_call(*args)
-        _VARIANTS.clear()
         if diagnose and a.shape[1] >= 4096:
             from vllm_moe_fixes.ops import grouped_gemm as gg
 
@@ -143,14 +147,25 @@ def _make_fused_experts(diagnose: bool, follow_e8m0: bool):
     return fused_experts
 
 
-def modular_triton_fused_moe(moe_config, quant_config):
-    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+def _make_modular(follow_e8m0: bool):
+    def modular_triton_fused_moe(moe_config, quant_config):
+        import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
 
-    from vllm_moe_fixes.integrations.vllm.experts import VllmTritonExperts
-    from vllm_moe_fixes.integrations.vllm.prepare_finalize import VllmNoEPPrepareAndFinalize
+        from vllm_moe_fixes.integrations.vllm.experts import VllmTritonExperts
+        from vllm_moe_fixes.integrations.vllm.prepare_finalize import VllmNoEPPrepareAndFinalize
 
-    return mk.FusedMoEKernel(VllmNoEPPrepareAndFinalize(),
-                             VllmTritonExperts(moe_config, quant_config))
+        kernel = mk.FusedMoEKernel(VllmNoEPPrepareAndFinalize(),
+                                   VllmTritonExperts(moe_config, quant_config))
+        if not (follow_e8m0 and is_deep_gemm_e8m0_used()):
+            return kernel
+
+        class FollowingE8m0:
+            def apply(self, *args, **kwargs):
+                with _Ue8m0Activations():
+                    return kernel.apply(*args, **kwargs)
+        return FollowingE8m0()
+    return modular_triton_fused_moe
 
 
 def _usage(actual, expected, atol, rtol) -> float:
@@ -168,7 +183,9 @@ def pytest_collection_modifyitems(config, items):
         except Exception as exc:  # noqa: BLE001 (a diagnostic line only)
             print(f"\nDIAG is_deep_gemm_e8m0_used() unavailable: {exc!r}", flush=True)
     index, count = (int(v) for v in config.getoption("--ours-shard").split("/"))
-    items[:] = [item for i, item in enumerate(items) if i % count == index]
+    match = re.compile(config.getoption("--ours-match"))
+    items[:] = [item for i, item in enumerate(items)
+                if i % count == index and match.search(item.name)]
     diagnose = config.getoption("--ours-diagnose")
     for item in items:
         module = item.module
@@ -176,7 +193,7 @@ def pytest_collection_modifyitems(config, items):
             continue
         module.fused_experts = _make_fused_experts(diagnose,
                                                    config.getoption("--ours-follow-e8m0"))
-        module.modular_triton_fused_moe = modular_triton_fused_moe
+        module.modular_triton_fused_moe = _make_modular(config.getoption("--ours-follow-e8m0"))
         module._ours_swapped = True
 
 
