@@ -106,21 +106,15 @@ def quant_permute_triton(x: torch.Tensor, layout: ContiguousLayout, out_q: torch
     groups_per_prog = min(QUANT_GROUPS_PER_PROG, next_power_of_2(num_groups))
     g_blocks = cdiv(num_groups, groups_per_prog)
     n_token_programs = cdiv(M, block_m) * g_blocks
-    constexprs = (topk, SCALE_BLOCK, block_m, groups_per_prog, next_power_of_2(num_groups),
-                  PAD_ROWS, PAD_COLS, bool(round_in_fp32))
-    launcher = _LAUNCHERS.get(constexprs)
-    if launcher is None:
-        launcher = _LAUNCHERS[constexprs] = KernelLauncher(_quant_permute_kernel)
-    launcher((n_token_programs + cdiv(m_sum, PAD_ROWS), 1, 1), num_warps,
-             (x, layout.dest, layout.src_row, out_q, out_s),
-             (M, num_groups, m_sum, x.stride(0), out_q.stride(0), out_s.stride(0),
-              out_s.stride(1), QUANT_EPS, n_token_programs, g_blocks, *constexprs))
+    _launch((n_token_programs + cdiv(m_sum, PAD_ROWS), 1, 1), num_warps,
+            (x, layout.dest, layout.src_row, out_q, out_s),
+            (M, num_groups, m_sum, x.stride(0), out_q.stride(0), out_s.stride(0),
+             out_s.stride(1), QUANT_EPS, n_token_programs, g_blocks, topk, SCALE_BLOCK, block_m,
+             groups_per_prog, next_power_of_2(num_groups), PAD_ROWS, PAD_COLS,
+             bool(round_in_fp32)))
 
 
-# One KernelLauncher per combination of the kernel's constexprs: a launcher's by-class cache keys
-# an int by what Triton specialises on for a runtime int (== 1, % 16), so two values of an int
-# constexpr (TOPK 7 and 8) could otherwise share one compiled kernel.
-_LAUNCHERS: dict[tuple, KernelLauncher] = {}
+_launch = KernelLauncher(_quant_permute_kernel)
 
 
 def quant_permute_ref(x: torch.Tensor, layout: ContiguousLayout, out_q: torch.Tensor,
