@@ -37,8 +37,10 @@ DeepGEMM its row says why. Where vLLM's compiled ops are torch stand-ins (no .so
 on its timed path, _C.per_token_group_fp8_quant, runs our Triton quant (the same recipe, one
 launch, as vLLM's CUDA kernel is): the row names it. The DeepGEMM operands each side hands over
 (rows, layout form, blocks DeepGEMM visits, scale layout) are printed and kept in the JSON.
-vLLM enables DeepGEMM's PDL when it first calls it (a process-wide DeepGEMM setting), so the vllm
-rows run after ours, and the JSON records the setting each row ran with.
+vLLM turns DeepGEMM's PDL on when it first resolves DeepGEMM (a process-wide setting): the anchor
+is built before any row, so with the vllm backend every row runs as in a vLLM process (PDL on;
+column pdl). Rows run deep_gemm and vllm side by side per M, then triton; experts.json is written
+after every row, so a run cut by a time limit keeps what it measured.
 --profile M...: per-kernel GPU time of one call (torch.profiler) for each backend at those M.
 
 Chunk-size sweep (M = 32768): time per token and peak memory of a fresh kernel per
@@ -191,49 +193,29 @@ def timing_columns(layer, gemms, M, graphs: bool = True) -> dict:
     return row
 
 
-def bench_layer(name, make_experts, w, m_values):
-    rows = []
-    for M in m_values:
-        x, weights, ids = make_inputs(M, LOCAL_NUM_EXPERTS, seed=M)
-        ids = ids.to(torch.int32)  # the vllm rows' ids (vLLM's router gives int32)
-        experts = make_experts()
-        kw = dict(w1_scale=w[1], w2_scale=w[3], global_num_experts=LOCAL_NUM_EXPERTS)
-        kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(defer_input_quant=True), experts)
-        layer = lambda: kernel(x, w[0], w[2], weights, ids, **kw)  # noqa: E731
-        with peak_memory() as peak:
-            out = layer()
-        if name == "deep_gemm":
-            _OUTPUTS[M] = out
-        anchor = lambda: unfused_moe_layer(x, w, weights, ids, experts.gemm)  # noqa: E731
-        diff = calc_diff(out, anchor())
-        gemms, ops = gemms_alone(kernel, experts, w, M)
-        _OPERANDS.append((name, M, ops))
-        row = dict(backend=name, M=M, **timing_columns(layer, gemms, M),
-                   peak_MiB=peak.bytes / 2**20,
-                   expected_MiB=layer_declared_bytes(M, I, K, TOPK, LOCAL_NUM_EXPERTS) / 2**20,
-                   anchor_us=bench_us(anchor, [()]), diff=diff, pdl=deep_gemm_pdl())
-        count_kernels_later(row, layer)
-        if name == "deep_gemm":
-            _RETIME_UNDER_PDL.append((row, layer, gemms))
-        rows.append(row)
-        print_table(rows[-1:], list(row))
-    return rows
-
-
-# (row, layer, gemms) of our deep_gemm rows, timed again once vLLM has turned DeepGEMM's PDL on
-_RETIME_UNDER_PDL: list = []
-
-
-def retime_under_pdl() -> None:
-    """us_pdl and gemms_us_pdl of our deep_gemm rows (do_bench), where PDL is on now and was off
-    when they were timed: both layers under the setting vLLM runs DeepGEMM with."""
-    if not deep_gemm_pdl():
-        return
-    for row, layer, gemms in _RETIME_UNDER_PDL:
-        if row["pdl"] is False:
-            row.update(us_pdl=bench_us(layer, [()]), gemms_us_pdl=bench_us(gemms, [()]))
-            print(f"deep_gemm M={row['M']} under PDL: us {row['us_pdl']:.1f}, gemms_us "
-                  f"{row['gemms_us_pdl']:.1f}")
+def layer_row(name, make_experts, w, M) -> dict:
+    """Our layer's row at M (module docstring)."""
+    x, weights, ids = make_inputs(M, LOCAL_NUM_EXPERTS, seed=M)
+    ids = ids.to(torch.int32)  # the vllm rows' ids (vLLM's router gives int32)
+    experts = make_experts()
+    kw = dict(w1_scale=w[1], w2_scale=w[3], global_num_experts=LOCAL_NUM_EXPERTS)
+    kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(defer_input_quant=True), experts)
+    layer = lambda: kernel(x, w[0], w[2], weights, ids, **kw)  # noqa: E731
+    with peak_memory() as peak:
+        out = layer()
+    if name == "deep_gemm":
+        _OUTPUTS[M] = out
+    anchor = lambda: unfused_moe_layer(x, w, weights, ids, experts.gemm)  # noqa: E731
+    diff = calc_diff(out, anchor())
+    gemms, ops = gemms_alone(kernel, experts, w, M)
+    _OPERANDS.append((name, M, ops))
+    row = dict(backend=name, M=M, **timing_columns(layer, gemms, M),
+               peak_MiB=peak.bytes / 2**20,
+               expected_MiB=layer_declared_bytes(M, I, K, TOPK, LOCAL_NUM_EXPERTS) / 2**20,
+               anchor_us=bench_us(anchor, [()]), diff=diff, pdl=deep_gemm_pdl())
+    count_kernels_later(row, layer)
+    print_table([row], list(row))
+    return row
 
 
 def deep_gemm_pdl():
@@ -328,33 +310,35 @@ def vllm_deep_gemm_layer():
     return (make, record), stand_ins
 
 
-def bench_vllm_layer(w, m_values):
-    """The vllm rows (module docstring): one per M, or one row saying why there are none."""
-    anchor, stand_ins = vllm_deep_gemm_layer()
+def vllm_row(anchor, stand_ins, w, M) -> dict:
+    """The vllm row at M (module docstring); anchor: vllm_deep_gemm_layer's (make, record), or
+    None (then the row says why: stand_ins holds the reason)."""
     if anchor is None:
-        print(f"vllm anchor: not run: {stand_ins}")
-        return [dict(backend="vllm", M=None, missing=stand_ins)]
+        return dict(backend="vllm", M=M, missing=stand_ins)
     make, record = anchor
-    rows = []
-    for M in m_values:
-        x, weights, ids = make_inputs(M, LOCAL_NUM_EXPERTS, seed=M)
-        call = make(w)
-        ids32 = ids.to(torch.int32)  # our rows' ids too
-        layer = lambda: call(x, weights, ids32)  # noqa: E731
-        with peak_memory() as peak:
-            out = layer()
-        gemms, ops = record(layer)
-        _OPERANDS.append(("vllm", M, ops))
-        ours = _OUTPUTS.get(M)
-        row = dict(backend="vllm", M=M, **timing_columns(layer, gemms, M, graphs=False),
-                   peak_MiB=peak.bytes / 2**20,
-                   diff=None if ours is None else calc_diff(out, ours), pdl=deep_gemm_pdl(),
-                   stand_ins=stand_ins)
-        count_kernels_later(row, layer)
-        rows.append(row)
-        print_table(rows[-1:], [c for c in row if c != "stand_ins"])
-    print(f"vllm anchor stand-ins on the timed path: {stand_ins}")
-    return rows
+    x, weights, ids = make_inputs(M, LOCAL_NUM_EXPERTS, seed=M)
+    call = make(w)
+    ids32 = ids.to(torch.int32)  # our rows' ids too
+    layer = lambda: call(x, weights, ids32)  # noqa: E731
+    with peak_memory() as peak:
+        out = layer()
+    gemms, ops = record(layer)
+    _OPERANDS.append(("vllm", M, ops))
+    ours = _OUTPUTS.get(M)
+    row = dict(backend="vllm", M=M, **timing_columns(layer, gemms, M, graphs=False),
+               peak_MiB=peak.bytes / 2**20,
+               diff=None if ours is None else calc_diff(out, ours), pdl=deep_gemm_pdl(),
+               stand_ins=stand_ins)
+    count_kernels_later(row, layer)
+    print_table([row], [c for c in row if c != "stand_ins"])
+    return row
+
+
+def save_layer_rows(shape, rows) -> None:
+    """experts.json with the rows so far (a run cut by a time limit keeps them)."""
+    write_json("experts", dict(shape=shape, deep_gemm=dg.is_available(), results=rows,
+                               operands=[dict(backend=b, M=m, **ops) for b, m, ops in _OPERANDS],
+                               partial=True))
 
 
 def print_versus_vllm(rows) -> None:
@@ -472,11 +456,27 @@ def main() -> None:
     tables = []
     w = make_weights(LOCAL_NUM_EXPERTS)
     if not args.skip_layer:
-        layer = [r for name, cls, _ in backends for r in bench_layer(name, cls, w, args.m)]
-        if "vllm" in args.backends:  # after ours: vLLM turns DeepGEMM's PDL on for the process
-            layer += bench_vllm_layer(w, args.m)
-            retime_under_pdl()
+        layer = []
         tables.append(("layer", "experts", layer))
+        # The vLLM anchor first: building it turns DeepGEMM's PDL on for the whole process, so
+        # every row below runs under the setting of a vLLM process (the pdl column says which).
+        anchor, stand_ins = vllm_deep_gemm_layer() if "vllm" in args.backends else (None, None)
+        if "vllm" in args.backends:
+            print(f"vllm anchor: {stand_ins}")
+        # deep_gemm and vllm side by side per M, triton after: a time limit keeps the pairs.
+        order = [b for b in backends if b[0] == "deep_gemm"]
+        for M in args.m:
+            for name, cls, _ in order:
+                layer.append(layer_row(name, cls, w, M))
+                save_layer_rows(shape, layer)
+            if "vllm" in args.backends:
+                layer.append(vllm_row(anchor, stand_ins, w, M))
+                save_layer_rows(shape, layer)
+        for name, cls, _ in backends:
+            if name != "deep_gemm":
+                for M in args.m:
+                    layer.append(layer_row(name, cls, w, M))
+                    save_layer_rows(shape, layer)
     if not args.skip_chunks:
         chunks = [r for name, cls, _ in backends for r in bench_chunk_sizes(name, cls, w)]
         tables.append(("chunk sizes", "experts_chunks", chunks))
