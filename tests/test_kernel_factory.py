@@ -17,6 +17,7 @@ from vllm_moe_fixes.fused_moe import (
     BatchedTritonExperts,
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
+    FusedMoEModularKernel,
     NoEPPrepareAndFinalize,
     TritonExperts,
     local_expert_map,
@@ -49,7 +50,19 @@ def test_without_a_group_no_all_to_all_and_the_backend_is_not_read(monkeypatch):
     kernel = make_moe_kernel(None, **SIZES)
     assert type(kernel.prepare_finalize) is NoEPPrepareAndFinalize
     assert type(kernel.experts) is TritonExperts
+    # one rank, contiguous experts: they quantise the input where they permute it
+    assert kernel.prepare_finalize.defer_input_quant
     assert local_expert_map(None, 8) is None
+
+
+def test_a_deferred_input_quant_needs_experts_that_take_unquantised_input():
+    class QuantisedInputExperts(TritonExperts):
+        takes_unquantized_input = False
+
+    FusedMoEModularKernel(NoEPPrepareAndFinalize(defer_input_quant=True), TritonExperts())
+    with pytest.raises(ValueError, match="defers the input quant"):
+        FusedMoEModularKernel(NoEPPrepareAndFinalize(defer_input_quant=True),
+                              QuantisedInputExperts())
 
 
 @pytest.mark.parametrize("env, low_latency, pf_type, experts_type", [

@@ -64,10 +64,13 @@ class PrepareAndFinalize(ABC):
     passes_reduced_output_through: True when finalize has nothing to do with an output the
     experts already reduced (no combine): the kernel then lets such experts write the layer's
     output directly, and finalize receives that same tensor.
+    defer_input_quant: True when prepare hands the experts a1 unquantised (a1q bf16, a1q_scale
+    None), for experts that quantise it themselves (`Experts.takes_unquantized_input`).
     """
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
     passes_reduced_output_through: bool = False
+    defer_input_quant: bool = False
 
     @abstractmethod
     def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -141,13 +144,16 @@ class Experts(ABC):
     """Grouped FP8 expert GEMMs: GEMM1 (w1) -> SiLU(gate) * up -> GEMM2 (w2).
 
     reduces_output: True when apply also weights and sums each token's k slots (STANDARD only):
-    out_shape is then [M', K] and finalize gets output_is_reduced=True. Under torch.compile an
-    apply decorated with `one_op_when_compiled` (end of this module) is one opaque op in the
-    graph.
+    out_shape is then [M', K] and finalize gets output_is_reduced=True.
+    takes_unquantized_input: True when apply also takes a1q bf16 [M, K] with a1q_scale None and
+    quantises it itself (the pairing of a prepare/finalize with defer_input_quant). Under
+    torch.compile an apply decorated with `one_op_when_compiled` (end of this module) is one
+    opaque op in the graph.
     """
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
     reduces_output: bool = False
+    takes_unquantized_input: bool = False
 
     @abstractmethod
     def workspace_shapes(self, M: int, I: int, K: int, topk: int, local_num_experts: int, *,

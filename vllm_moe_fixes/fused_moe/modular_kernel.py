@@ -93,6 +93,11 @@ class FusedMoEModularKernel:
                 "(NoEP / DeepEP high-throughput + TritonExperts / DeepGemmExperts) and batched "
                 "with batched (DeepEP low-latency + BatchedTritonExperts / "
                 "BatchedDeepGemmExperts)")
+        if prepare_finalize.defer_input_quant and not experts.takes_unquantized_input:
+            raise ValueError(
+                f"{type(prepare_finalize).__name__} defers the input quant "
+                f"(defer_input_quant=True) but {type(experts).__name__} takes quantised input: "
+                "build the prepare/finalize with defer_input_quant=False")
         self._finalize_takes_reduced = _takes_output_is_reduced(prepare_finalize)
         if experts.reduces_output and not self._finalize_takes_reduced:
             raise ValueError(

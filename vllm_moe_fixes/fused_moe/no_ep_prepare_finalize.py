@@ -36,7 +36,6 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
 
     activation_format = ActivationFormat.STANDARD
     passes_reduced_output_through = True
-    defer_input_quant = False
 
     def __init__(self, *, defer_input_quant: bool = False) -> None:
         self.defer_input_quant = defer_input_quant
