@@ -377,9 +377,10 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     Neither DeepEP's nor TorchAll2AllBuffer's low-latency calls read the device on the host, so a
     layer call can be captured in a CUDA graph: with one rank as it is; with several, as one pass
     (M <= min(VLLM_FUSED_MOE_CHUNK_SIZE, max_tokens_per_rank) on every rank) or, given
-    max_tokens_across_ranks, in its passes (num_chunks). Both halves (send, receive) of each
-    dispatch and combine run on the caller's stream, the receiving one through DeepEP's
-    return_recv_hook, called at once (as vLLM runs them).
+    max_tokens_across_ranks, in its passes (num_chunks). DeepEP runs each dispatch and combine
+    as one kernel on its own stream, fenced by events; its hook mode (return_recv_hook, two
+    kernels on the caller's stream, as vLLM calls it) measured slower on an H200, on the host and
+    in a CUDA graph (benchmarks/bench_decode.py).
 
     Arguments:
         buffer: a low-latency ``deep_ep.Buffer`` or ``TorchAll2AllBuffer(low_latency_mode=True)``
@@ -425,12 +426,8 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
             topk_ids.to(torch.int64).contiguous()
         self._stamp_pass()
-        # The receiving half runs at once, through the hook, on this stream: without the hook
-        # DeepEP runs both halves on its own stream, fenced by an event on each side (two CUDA
-        # events made, recorded and waited for on the host, per dispatch and per combine).
-        recv_x, counts, handle, _, receive = self.buffer.low_latency_dispatch(
-            a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch, return_recv_hook=True)
-        receive()
+        recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
+            a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch)
         self._pending = (handle, ids)
         a1q, a1s = recv_x if self.use_fp8_dispatch else quant_batched_fp8(recv_x)
         return PrepareResult(a1q=a1q, a1q_scale=a1s, expert_num_tokens=counts)
@@ -446,9 +443,7 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             weights = topk_weights
         else:
             weights = topk_weights.float().contiguous()
-        _, _, receive = self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle,
-                                                        out=output, return_recv_hook=True)
-        receive()  # as in prepare
+        self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle, out=output)
 
 
 class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
