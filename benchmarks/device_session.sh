@@ -7,8 +7,9 @@
 # tests), (b) vLLM 0.33's harness on our single-GPU cases, our adapters inside vLLM's kernel on the
 # GPU and their host cost (tests/vllm_support/device_run.sh ours). Then, alone on the GPU so that
 # nothing else runs beside the timings, (c) the decode layer and the contiguous layer against
-# vLLM's own paths (decode twice). Logs, JUnit files and JSON go to $OUT/tests.tgz and
-# $OUT/bench.tgz (a call brings back at most 8 files).
+# vLLM's own paths (decode twice). Logs and JUnit files of (a) and (b) go to $OUT/tests.tgz, the
+# benchmarks' logs and JSON to $OUT itself (a call brings back at most 8 files). Limits in seconds:
+# SUITE_S, VLLM_S, DECODE_RUNS x DECODE_S, EXPERTS_S.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 FINAL="${OUT:-/tmp/out}"
@@ -36,15 +37,17 @@ for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/nu
 done
 sleep 2; echo "load before the benchmarks: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-# (c) vLLM's Python tree (unpacked by (b)) serves as the anchor of both layer benchmarks.
+# (c) vLLM's Python tree (unpacked by (b)) serves as the anchor of both layer benchmarks. Each
+# file lands in $FINAL as soon as it exists: a call stopped at its limit keeps what was measured.
 export PYTHONPATH="/tmp/v033_site:$PYTHONPATH"
-for run in 1 2; do
-    timeout 60 python3 -m benchmarks.bench_decode --calls 100 --rounds 3 >"$OUT/decode_$run.log" 2>&1
-    cp benchmarks/results/decode.json "$OUT/decode_$run.json" 2>/dev/null
-    tail -n 16 "$OUT/decode_$run.log"
+for run in $(seq "${DECODE_RUNS:-2}"); do
+    timeout -k 5 "${DECODE_S:-60}" python3 -m benchmarks.bench_decode --calls 100 --rounds 3 \
+        >"$FINAL/decode_$run.log" 2>&1
+    cp benchmarks/results/decode.json "$FINAL/decode_$run.json" 2>/dev/null
+    tail -n 16 "$FINAL/decode_$run.log"
 done
-timeout 90 python3 -m benchmarks.bench_experts --skip-chunks --skip-batched \
-    >"$OUT/experts.log" 2>&1
-tail -n 16 "$OUT/experts.log"
-cp benchmarks/results/experts.json "$OUT/" 2>/dev/null
-tar czf "$FINAL/bench.tgz" -C "$FINAL" session && rm -rf "$OUT"
+timeout -k 5 "${EXPERTS_S:-150}" python3 -m benchmarks.bench_experts --skip-chunks --skip-batched \
+    >"$FINAL/experts.log" 2>&1
+tail -n 24 "$FINAL/experts.log"
+cp benchmarks/results/experts.json "$FINAL/" 2>/dev/null
+rm -rf "$OUT"
