@@ -1,19 +1,20 @@
 """Host cost per eager layer call of keeping an expert-parallel group in step (issue 29).
 
-What changed between the revisions compared: the pass-count all-reduce carries a fourth integer
-(each rank's verdict), every torch-buffer dispatch exchanges a PassStamp column beside its counts
-(a cached tensor, one more column in the count exchange and one more host comparison), the
-prepare/finalize plans its passes (PassStamp) and stamps each dispatch, the kernel's checks sit in
-a try, and num_chunks refuses more than 2**16 passes.
+What the compared revisions differ in (default: before = f0e6ed0^, after = 52849af, the safety
+commits f0e6ed0, 2e107ca, 52849af on that same base; --now adds the working tree): the pass-count
+all-reduce carries a fourth integer (each rank's verdict), every torch-buffer dispatch sends a
+PassStamp beside its counts in the count exchange, the prepare/finalize plans its passes
+(PassStamp) and stamps each dispatch, the kernel's checks sit in a try, and num_chunks refuses
+more than 2**16 passes.
 
 How: each revision's package is a copy renamed vmf_<label> (imports and the custom op's namespace
 rewritten), so that all revisions live in ONE process per rank and are timed in interleaved rounds
 (the order rotating round by round): what the machine does at one moment it does to all of them.
-Each timing is the mean of `calls` back-to-back layer calls (a synchronisation at the end on
-CUDA); a revision's figure is its best round, and "added" is after - before of those minima. The
-same revision is carried twice ("before" and "before_again": its own copy, its own layer objects):
-their difference is the noise floor of the run, printed beside every row. The anchor is the
-before revision itself, in the same run.
+Each timing is the mean of `calls` back-to-back calls (a synchronisation at the end on CUDA); a
+revision's figure is its best round, and "added" is that minus before's best round (also the
+median over rounds of the same round's difference). The before revision is carried twice
+("before" and "before_again": its own copy, its own layer objects): their difference is the
+run's noise floor, printed beside every row. The anchor is the before revision, in the same run.
 
 The layer: DeepEPHTPrepareAndFinalize over TorchAll2AllBuffer + TritonExperts (E=4, K=128, I=128,
 top-2: small, so that the host work dominates) at M=1 and M=128, and at one rank on CUDA also
@@ -26,22 +27,24 @@ DeepEPLLPrepareAndFinalize over a TorchAll2AllBuffer in low-latency mode + Batch
     a copy: what the stamp adds around the collective, without the collective's own jitter);
   - two gloo ranks (--ranks 2, CPU), each process pinned to cores of its own (--cores 4,5 6,7: a
     rank's main thread and gloo's worker thread each get one; on one core they take turns, and a
-    collective then costs milliseconds, all noise): rank 0's time
-    per call, without max_tokens_across_ranks (the pass-count all-reduce runs, carrying the
-    verdict) and with it (no all-reduce; the stamp compared in the count exchange).
+    collective then costs milliseconds, all noise): rank 0's time per call, without
+    max_tokens_across_ranks (the pass-count all-reduce runs, carrying the verdict) and with it
+    (no all-reduce; the stamp compared in the count exchange).
+The layer's difference is the sum of the steps' differences, but its own noise (tens of us, see
+noise_us) is larger than they are: the steps alone are what decides.
 
-    python -m benchmarks.bench_collective_safety                       # before f0e6ed0^, after HEAD
-    python -m benchmarks.bench_collective_safety --prepare DIR         # write the trees only
-    python -m benchmarks.bench_collective_safety --trees DIR --device cuda --ranks 1
+    python -m benchmarks.bench_collective_safety                # CPU, 1 and 2 ranks: ~1.5 min
+    python -m benchmarks.bench_collective_safety --prepare --trees DIR   # the copies only
+    python -m benchmarks.bench_collective_safety --trees DIR --now --device cuda --ranks 1
 
-Revisions: --before / --after name git revisions (copied with git archive into --trees, or taken
-from there when git is absent, e.g. on a machine that got the copies); --now adds the working
-tree's package as a third revision ("now": whatever is uncommitted, others' work included).
+Revisions are copied with git archive into --trees, or taken from there when a copy of the same
+revision name is there already (a machine without the history runs copies made by --prepare).
 """
 
 import argparse
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -239,7 +242,8 @@ def _rank_main(args) -> None:
                 per_round[label].append((time.perf_counter() - t0) / calls * 1e6)
         times[case] = per_round
         if args.partial and args.rank == 0:  # what a run cut short by a time limit has done
-            Path(args.partial).write_text(json.dumps(times))
+            Path(args.partial).write_text(json.dumps({"ranks": args.ranks, "device": args.device,
+                                                      "labels": labels, "times": times}))
     dist.barrier()
     dist.destroy_process_group()
     if args.rank == 0:
@@ -305,15 +309,24 @@ def main() -> None:
     parser.add_argument("--cores", nargs="*", default=[],
                         help="cores to pin the ranks to, a comma-separated set per rank "
                              "(default: not pinned)")
-    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", help="the JSON's path (default benchmarks/results/)")
+    parser.add_argument("--out", help="write the run's JSON there (default: stored as --name "
+                                      "among the runs of benchmarks/results/"
+                                      "collective_safety.json)")
+    parser.add_argument("--name", help="the run's name in the results (default: host_device)")
+    parser.add_argument("--merge", nargs="+", metavar="NAME=PATH",
+                        help="store runs written with --out (or the .partial dump of one cut "
+                             "short) in the results under NAME, and stop")
     parser.add_argument("--rank-of", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--labels", help=argparse.SUPPRESS)
     parser.add_argument("--core", help=argparse.SUPPRESS)
     parser.add_argument("--partial", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.merge:
+        return _store_runs({name: _read_run(path) for name, path in
+                            (item.split("=", 1) for item in args.merge)})
     if args.rank_of is not None:
         args.rank, args.ranks = args.rank_of, args.ranks[0]
         return _rank_main(args)
@@ -342,19 +355,37 @@ def main() -> None:
         "after_added_paired_us", "noise_us", "spread_pct"]
     if any("error" in row for row in rows):
         columns.append("error")
-    sys.path.insert(0, str(REPO))
-    from benchmarks._common import environment, print_table, write_json
+    from benchmarks._common import environment, print_table
     print_table(rows, columns)
     payload = {"revisions": revisions, "calls": args.calls, "rounds": args.rounds,
                "cores": args.cores, "problem": dict(E=E, K=HIDDEN, I=I, topk=TOPK, ll_n=LL_N),
                "rows": rows}
+    payload = {"environment": environment(), **payload}
     if args.out:
-        Path(args.out).write_text(json.dumps({"environment": environment(), **payload},
-                                             indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
         for ranks in all_ranks:  # the complete JSON supersedes the per-case dumps
             Path(f"{args.out}.{ranks}ranks.partial").unlink(missing_ok=True)
     else:
-        write_json("collective_safety", payload)
+        _store_runs({args.name or f"{platform.node()}_{args.device}": payload})
+
+
+def _read_run(path: str) -> dict:
+    """A run's JSON (--out), or the rows of a .partial dump (a run cut short)."""
+    data = json.loads(Path(path).read_text())
+    if "times" not in data:
+        return data
+    rows = _rows(data["times"], data["labels"], data["ranks"], data["device"])
+    return {"cut_short": "the cases finished before the run's time limit", "rows": rows}
+
+
+def _store_runs(runs: dict) -> None:
+    """Add runs to benchmarks/results/collective_safety.json, keeping the others there."""
+    from benchmarks._common import RESULTS_DIR, write_json
+    path = RESULTS_DIR / "collective_safety.json"
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    stored.pop("environment", None)  # write_json's: the writer's, each run carries its own
+    stored.setdefault("runs", {}).update(runs)
+    write_json("collective_safety", stored)
 
 
 if __name__ == "__main__":
