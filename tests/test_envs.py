@@ -1,4 +1,7 @@
+import os
+
 import pytest
+import torch
 
 from vllm_moe_fixes import envs
 
@@ -104,3 +107,32 @@ def test_int_spelled_with_underscore_says_digits_only(monkeypatch):
 def test_unknown_attribute_is_attribute_error():
     with pytest.raises(AttributeError):
         envs.VLLM_NOT_A_VARIABLE
+
+
+def test_writes_through_os_environ_seen_at_the_next_read(monkeypatch):
+    """The reads go to os.environ's own mapping (no os.environ.get per read): every way of
+    writing the environment through os.environ shows at the next read."""
+    monkeypatch.delenv("VLLM_FUSED_MOE_CHUNK_SIZE", raising=False)
+    monkeypatch.delenv("VLLM_MOE_CHECK_IDS", raising=False)
+    assert envs.VLLM_FUSED_MOE_CHUNK_SIZE == 8192
+    os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"] = "64"
+    try:
+        assert envs.VLLM_FUSED_MOE_CHUNK_SIZE == 64
+        os.environ.update(VLLM_FUSED_MOE_CHUNK_SIZE=" 128 ")
+        assert envs.VLLM_FUSED_MOE_CHUNK_SIZE == 128
+        os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"] = "1_0"
+        with pytest.raises(ValueError, match="VLLM_FUSED_MOE_CHUNK_SIZE='1_0'"):
+            envs.VLLM_FUSED_MOE_CHUNK_SIZE
+    finally:
+        del os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"]
+    assert envs.VLLM_FUSED_MOE_CHUNK_SIZE == 8192
+    os.environ.setdefault("VLLM_MOE_CHECK_IDS", "true")  # (unset above)
+    assert envs.values_checked_on(torch.device("cuda")) is True
+    os.environ.pop("VLLM_MOE_CHECK_IDS")
+    assert envs.values_checked_on(torch.device("cuda")) is False
+
+
+def test_an_environ_without_its_own_mapping_is_read_with_get(monkeypatch):
+    monkeypatch.setattr(os, "environ", {"VLLM_FUSED_MOE_CHUNK_SIZE": "32"})
+    assert envs.VLLM_FUSED_MOE_CHUNK_SIZE == 32
+    assert envs.VLLM_MOE_CHECK_FINITE is False
