@@ -3,7 +3,9 @@ that each kept decision is still taken again where it may change: DeepGEMM's mas
 its API and the device's architecture once per device and resolved API (a refusal is raised at
 every call, never kept); the modular kernel builds the experts' output view once per workspace
 and shape (a new shape or a grown workspace gets its own; one that does not fit is refused at
-every call)."""
+every call), and plans a chunk (workspace shapes, views, expected_m) once per chunk shape while
+its Workspaces keeps its views (a shared one grown by another layer, or another Workspaces
+object, makes it plan again)."""
 
 import types
 
@@ -116,3 +118,39 @@ def test_kernel_output_view_follows_the_shape_and_refuses_what_does_not_fit():
     for _ in range(2):
         with pytest.raises(ValueError, match="_OversizedOutput.workspace_shapes: out_shape"):
             run(oversized, make_problem(3, k, E, 128, 256), E)
+
+
+class _CountingExperts(BatchedTritonExperts):
+    """Counts workspace_shapes calls (one per chunk plan)."""
+
+    def __init__(self):
+        self.plans = 0
+
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
+        self.plans += 1
+        return super().workspace_shapes(M, I, K, topk, local_num_experts)
+
+
+def test_chunk_plan_once_per_shape_and_again_when_the_workspaces_change():
+    E, k = 8, 2
+    shared = Workspaces()
+    experts = _CountingExperts()
+    kernel = FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(64), experts, shared)
+    for M in (5, 3, 5):  # T = 64 * k rows per slice whatever M: one plan
+        p = make_problem(M, k, E, 128, 256, seed=M)
+        check_close(run(kernel, p, E), reference(p))
+    assert experts.plans == 1
+    other = FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(256), BatchedTritonExperts(),
+                                  shared)  # T = 512 rows: the shared buffers grow
+    generation = shared.generation
+    p = make_problem(4, k, E, 128, 256, seed=4)
+    check_close(run(other, p, E), reference(p))
+    assert shared.generation > generation
+    check_close(run(kernel, p, E), reference(p))
+    assert experts.plans == 2  # planned again on the grown buffers
+    p = make_problem(6, k, E, 128, 512, seed=6)  # another K: another plan
+    check_close(run(kernel, p, E), reference(p))
+    assert experts.plans == 3
+    kernel.workspaces = Workspaces()
+    check_close(run(kernel, p, E), reference(p))
+    assert experts.plans == 4 and kernel.workspaces.ws13 is not None

@@ -54,6 +54,11 @@ def stream_is_capturing() -> bool:
     return torch.backends.cuda.is_built() and torch.cuda.is_current_stream_capturing()
 
 
+# Chunk plans a kernel keeps (FusedMoEModularKernel._chunk_plan): one per chunk shape, and a
+# decode engine calls a layer with a few dozen token counts at most.
+_MAX_PLANS = 64
+
+
 class _LayerCall(NamedTuple):
     """What every chunk of one validated layer call shares."""
 
@@ -109,6 +114,7 @@ class FusedMoEModularKernel:
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.workspaces = workspaces if workspaces is not None else Workspaces()
+        self._plans: dict[tuple, tuple] = {}  # see _chunk_plan
 
     def __call__(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, w1_scale: torch.Tensor,
@@ -263,19 +269,13 @@ class FusedMoEModularKernel:
             topk_weights = prep.topk_weights
         standard = experts.activation_format == ActivationFormat.STANDARD
         rows = prep.a1q.shape[0] if standard else prep.a1q.shape[1]
-        ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(
-            rows, I, K, topk, local_num_experts, tokens_per_pass=call.tokens_per_pass)
-        ws13, ws2 = self.workspaces.get(ws13_shape, ws2_shape, x.device, x.dtype)
+        _, _, ws13, ws2, fused_out, expected_m = self._chunk_plan(
+            (rows, I, K, topk, local_num_experts, call.global_num_experts, call.tokens_per_pass,
+             x.device, x.dtype), standard)
         reduced = experts.reduces_output
-        if reduced and pf.passes_reduced_output_through:
+        if fused_out is None:
             fused_out = output
-        else:
-            fused_out = views_cached_on(ws13, ws2, _experts_output_view, tuple(out_shape),
-                                        type(experts).__name__)
         if rows > 0:  # rows == 0: out_shape has a zero dimension, fused_out is empty
-            expected_m = None if standard else expected_rows_per_expert(
-                pf.max_num_tokens_per_rank(), pf.num_dispatchers(), topk,
-                call.global_num_experts, rows)
             experts.apply(fused_out, prep.a1q, prep.a1q_scale, weights, topk_ids=topk_ids,
                           expert_map=call.expert_map, workspace13=ws13, workspace2=ws2,
                           expert_num_tokens=prep.expert_num_tokens,
@@ -286,6 +286,34 @@ class FusedMoEModularKernel:
                         output_is_reduced=reduced)
         else:  # a finalize of the signature before output_is_reduced (experts that do not reduce)
             pf.finalize(output, fused_out, topk_weights, topk_ids, on_input)
+
+    def _chunk_plan(self, key: tuple, standard: bool) -> tuple:
+        """(workspaces, generation, ws13, ws2, the experts' output view or None for the layer's
+        output, expected_m) of a chunk of key = (rows, I, K, topk, E_l, global_num_experts,
+        tokens_per_pass, device, dtype): what depends on these alone (the experts'
+        workspace_shapes, the workspace views, the masked GEMM's expected_m), worked out once per
+        key and kept while the kernel's Workspaces keeps its views (same object and generation;
+        a Workspaces shared with other layers may grow under them)."""
+        plan = self._plans.get(key)
+        spaces = self.workspaces
+        if plan is not None and plan[0] is spaces and plan[1] == spaces.generation:
+            return plan
+        rows, I, K, topk, local_num_experts, global_num_experts, tokens_per_pass, device, \
+            dtype = key
+        pf, experts = self.prepare_finalize, self.experts
+        ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(
+            rows, I, K, topk, local_num_experts, tokens_per_pass=tokens_per_pass)
+        ws13, ws2 = spaces.get(ws13_shape, ws2_shape, device, dtype)
+        fused_out = None  # the layer's output: the experts reduce, finalize passes it through
+        if not (experts.reduces_output and pf.passes_reduced_output_through):
+            fused_out = views_cached_on(ws13, ws2, _experts_output_view, tuple(out_shape),
+                                        type(experts).__name__)
+        expected_m = None if standard or rows == 0 else expected_rows_per_expert(
+            pf.max_num_tokens_per_rank(), pf.num_dispatchers(), topk, global_num_experts, rows)
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        plan = self._plans[key] = (spaces, spaces.generation, ws13, ws2, fused_out, expected_m)
+        return plan
 
 
 def _experts_output_view(ws13: torch.Tensor, ws2: torch.Tensor, out_shape: tuple,

@@ -19,6 +19,8 @@ class Workspaces:
 
     `get` returns the same view objects for the same request (the latest _MAX_VIEWS requests are
     remembered) until a buffer grows, so the experts may cache their own views on them.
+    `generation` counts the buffers' replacements: a view obtained at one generation is one
+    `get` would still return while the generation is unchanged.
     """
 
     _MAX_VIEWS = 64
@@ -27,11 +29,13 @@ class Workspaces:
         self.ws13: torch.Tensor | None = None
         self.ws2: torch.Tensor | None = None
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.generation = 0
 
     def _get(self, name: str, numel: int, device: torch.device, dtype: torch.dtype):
         buf = getattr(self, name)
         if buf is None or buf.numel() < numel or buf.device != device or buf.dtype != dtype:
             self._views.clear()  # drop every view of the old buffer with it
+            self.generation += 1
             setattr(self, name, None)  # free the old buffer before allocating the larger one
             with torch.inference_mode(False):  # see views_cached_on
                 buf = torch.empty(numel, dtype=dtype, device=device)
