@@ -26,13 +26,20 @@ def check_layer_call(x, w1, w2, topk_weights, topk_ids, *, w1_scale, w2_scale,
                      global_num_experts, expert_map, activation, apply_router_weight_on_input,
                      max_tokens_across_ranks) -> None:
     """Every rule of the layer's arguments (FusedMoEModularKernel.__call__ documents them), in
-    this order; ids and expert_map values only for CPU tensors or with VLLM_MOE_CHECK_IDS=1."""
-    tensor = torch.Tensor
-    if not (isinstance(x, tensor) and isinstance(w1, tensor) and isinstance(w2, tensor)
-            and isinstance(topk_weights, tensor) and isinstance(topk_ids, tensor)
-            and isinstance(w1_scale, tensor) and isinstance(w2_scale, tensor)):
-        check_tensors(hidden_states=x, w1=w1, w2=w2, topk_weights=topk_weights,
-                      topk_ids=topk_ids, w1_scale=w1_scale, w2_scale=w2_scale)  # names the first
+    this order; ids and expert_map values only for CPU tensors or with VLLM_MOE_CHECK_IDS=1.
+
+    The shape rules are first tested together (_shapes_hold: one function, each attribute read
+    once); only a call they do not all accept goes through the rule functions one by one, which
+    name the first broken rule. So the functions below are the rules' wording and order, and
+    _shapes_hold must accept nothing they refuse (every refusal's test goes through both)."""
+    if _shapes_hold(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
+                    expert_map, activation, apply_router_weight_on_input,
+                    max_tokens_across_ranks):
+        if envs.values_checked_on(x.device):
+            check_routing_ranges(topk_ids, global_num_experts, expert_map, w1.shape[0])
+        return
+    check_tensors(hidden_states=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+                  w1_scale=w1_scale, w2_scale=w2_scale)
     if activation != "silu":
         raise ValueError(f"activation must be 'silu', got {activation!r}")
     M, K = check_hidden_states(x)
@@ -50,6 +57,44 @@ def check_layer_call(x, w1, w2, topk_weights, topk_ids, *, w1_scale, w2_scale,
                          f"got {max_tokens_across_ranks!r}")
     if envs.values_checked_on(x.device):
         check_routing_ranges(topk_ids, global_num_experts, expert_map, local_num_experts)
+
+
+def _shapes_hold(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
+                 expert_map, activation, on_input, max_tokens) -> bool:
+    """Whether every rule of check_layer_call but the value checks holds (False: at least one
+    may not; the rule functions then find it)."""
+    tensor = torch.Tensor
+    if not (isinstance(x, tensor) and isinstance(w1, tensor) and isinstance(w2, tensor)
+            and isinstance(topk_weights, tensor) and isinstance(topk_ids, tensor)
+            and isinstance(w1_scale, tensor) and isinstance(w2_scale, tensor)
+            and activation == "silu" and x.dtype == torch.bfloat16 and x.dim() == 2
+            and w1.dtype == FP8_DTYPE and w1.dim() == 3 and w2.dtype == FP8_DTYPE
+            and w1_scale.dtype == torch.float32 and w2_scale.dtype == torch.float32
+            and topk_weights.dtype == torch.float32 and topk_ids.dtype in _ID_DTYPES
+            and topk_ids.dim() == 2):
+        return False
+    M, K = x.shape
+    local_num_experts, two_i, k_w1 = w1.shape
+    I = two_i // 2
+    blocks_k, blocks_i = K // SCALE_BLOCK, I // SCALE_BLOCK
+    topk = topk_ids.shape[1]
+    device = x.device
+    return (local_num_experts > 0 and two_i > 0 and two_i % 2 == 0 and k_w1 == K
+            and K % SCALE_BLOCK == 0 and I % SCALE_BLOCK == 0 and (K <= 1 or x.stride(1) == 1)
+            and w2.shape == (local_num_experts, K, I) and w1.is_contiguous()
+            and w2.is_contiguous()
+            and w1_scale.shape == (local_num_experts, 2 * blocks_i, blocks_k)
+            and w2_scale.shape == (local_num_experts, blocks_k, blocks_i)
+            and topk_ids.shape[0] == M and topk >= 1 and topk_weights.shape == (M, topk)
+            and type(global_num_experts) is int and global_num_experts >= local_num_experts
+            and (global_num_experts == local_num_experts if expert_map is None else (
+                isinstance(expert_map, tensor) and expert_map.dtype == torch.int32
+                and expert_map.shape == (global_num_experts,) and expert_map.device == device))
+            and (not on_input or topk == 1)
+            and w1.device == device and w2.device == device and topk_weights.device == device
+            and topk_ids.device == device and w1_scale.device == device
+            and w2_scale.device == device
+            and (max_tokens is None or (type(max_tokens) is int and max_tokens >= M)))
 
 
 def check_tensors(**tensors) -> None:
