@@ -128,3 +128,39 @@ def test_layer_refuses_nan_in_fp8_weights_when_checking(name, monkeypatch):
     p = _fp8_nan_weights(make_problem(4, 2, 8, 128, 256), name, (0, 5, 7))
     with pytest.raises(ValueError, match=rf"{name} must be finite"):
         run(new_kernel(), p, 8)
+
+
+def test_shapes_hold_refuses_whatever_a_rule_refuses():
+    """check_layer_call's one-pass test (_shapes_hold) accepts the valid call and none of the
+    broken ones below, each of which the rule functions refuse."""
+    p = make_problem(3, 2, 4, 128, 256)
+    args = dict(x=p["hidden_states"], w1=p["w1"], w2=p["w2"], topk_weights=p["topk_weights"],
+                topk_ids=p["topk_ids"], w1_scale=p["w1_scale"], w2_scale=p["w2_scale"],
+                global_num_experts=4, expert_map=None, activation="silu",
+                apply_router_weight_on_input=False, max_tokens_across_ranks=None)
+
+    def holds(a):
+        return kernel_checks._shapes_hold(
+            a["x"], a["w1"], a["w2"], a["topk_weights"], a["topk_ids"], a["w1_scale"],
+            a["w2_scale"], a["global_num_experts"], a["expert_map"], a["activation"],
+            a["apply_router_weight_on_input"], a["max_tokens_across_ranks"])
+
+    assert holds(args)
+    x, w1, w2 = args["x"], args["w1"], args["w2"]
+    broken = dict(
+        x=[x.float(), x[:, :128], x.t().contiguous().t(), x[None]], w1=[w1[:, :128], w1.float()],
+        w2=[w2[:, :128], w2.transpose(1, 2).contiguous().transpose(1, 2)],
+        w1_scale=[args["w1_scale"][:, :1], args["w1_scale"].double()],
+        w2_scale=[args["w2_scale"][:, :, :0]], topk_weights=[args["topk_weights"][:, :1]],
+        topk_ids=[args["topk_ids"].float(), args["topk_ids"][:2], args["topk_ids"][:, :0]],
+        global_num_experts=[3, 5, True, 4.0],
+        expert_map=[torch.arange(4), torch.arange(5, dtype=torch.int32)],
+        activation=["gelu"], apply_router_weight_on_input=[True],
+        max_tokens_across_ranks=[2, True, 3.0])
+    for name, values in broken.items():
+        for value in values:
+            bad = {**args, name: value}
+            assert not holds(bad), (name, value)
+            with pytest.raises(ValueError):
+                kernel_checks.check_layer_call(bad.pop("x"), bad.pop("w1"), bad.pop("w2"),
+                                               bad.pop("topk_weights"), bad.pop("topk_ids"), **bad)
