@@ -8,6 +8,7 @@ its Workspaces keeps its views (a shared one grown by another layer, or another 
 object, makes it plan again)."""
 
 import types
+import weakref
 
 import pytest
 import torch
@@ -142,10 +143,11 @@ def test_chunk_plan_once_per_shape_and_again_when_the_workspaces_change():
     assert experts.plans == 1
     other = FusedMoEModularKernel(LocalBatchedPrepareAndFinalize(256), BatchedTritonExperts(),
                                   shared)  # T = 512 rows: the shared buffers grow
-    generation = shared.generation
+    generation, old13 = shared.generation, weakref.ref(shared.ws13)
     p = make_problem(4, k, E, 128, 256, seed=4)
     check_close(run(other, p, E), reference(p))
     assert shared.generation > generation
+    assert old13() is None  # the plans kept nothing of the replaced buffer alive
     check_close(run(kernel, p, E), reference(p))
     assert experts.plans == 2  # planned again on the grown buffers
     p = make_problem(6, k, E, 128, 512, seed=6)  # another K: another plan

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -269,7 +270,7 @@ class FusedMoEModularKernel:
             topk_weights = prep.topk_weights
         standard = experts.activation_format == ActivationFormat.STANDARD
         rows = prep.a1q.shape[0] if standard else prep.a1q.shape[1]
-        _, _, ws13, ws2, fused_out, expected_m = self._chunk_plan(
+        ws13, ws2, fused_out, expected_m = self._chunk_plan(
             (rows, I, K, topk, local_num_experts, call.global_num_experts, call.tokens_per_pass,
              x.device, x.dtype), standard)
         reduced = experts.reduces_output
@@ -288,16 +289,37 @@ class FusedMoEModularKernel:
             pf.finalize(output, fused_out, topk_weights, topk_ids, on_input)
 
     def _chunk_plan(self, key: tuple, standard: bool) -> tuple:
-        """(workspaces, generation, ws13, ws2, the experts' output view or None for the layer's
-        output, expected_m) of a chunk of key = (rows, I, K, topk, E_l, global_num_experts,
-        tokens_per_pass, device, dtype): what depends on these alone (the experts'
-        workspace_shapes, the workspace views, the masked GEMM's expected_m), worked out once per
-        key and kept while the kernel's Workspaces keeps its views (same object and generation;
-        a Workspaces shared with other layers may grow under them)."""
+        """(ws13, ws2, the experts' output view or None for the layer's output, expected_m) of a
+        chunk of key = (rows, I, K, topk, E_l, global_num_experts, tokens_per_pass, device,
+        dtype): what depends on these alone (the experts' workspace_shapes, the workspace views,
+        the masked GEMM's expected_m), worked out once per key and kept while the kernel's
+        Workspaces keeps those views (same object and generation; a Workspaces shared with
+        other layers may grow under them). The plan refers to the views weakly: a buffer that
+        grows is freed before its successor is allocated, as without plans."""
         plan = self._plans.get(key)
         spaces = self.workspaces
         if plan is not None and plan[0] is spaces and plan[1] == spaces.generation:
-            return plan
+            ws13, ws2 = plan[2](), plan[3]()
+            fused_out = None if plan[4] is None else plan[4]()
+            if ws13 is not None and ws2 is not None and (plan[4] is None or fused_out is not None):
+                return ws13, ws2, fused_out, plan[5]
+        rows, I, K, topk, local_num_experts, global_num_experts, tokens_per_pass, device, \
+            dtype = key
+        pf, experts = self.prepare_finalize, self.experts
+        ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(
+            rows, I, K, topk, local_num_experts, tokens_per_pass=tokens_per_pass)
+        ws13, ws2 = spaces.get(ws13_shape, ws2_shape, device, dtype)
+        fused_out = None  # the layer's output: the experts reduce, finalize passes it through
+        if not (experts.reduces_output and pf.passes_reduced_output_through):
+            fused_out = views_cached_on(ws13, ws2, _experts_output_view, tuple(out_shape),
+                                        type(experts).__name__)
+        expected_m = None if standard or rows == 0 else expected_rows_per_expert(
+            pf.max_num_tokens_per_rank(), pf.num_dispatchers(), topk, global_num_experts, rows)
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = (spaces, spaces.generation, weakref.ref(ws13), weakref.ref(ws2),
+                            None if fused_out is None else weakref.ref(fused_out), expected_m)
+        return ws13, ws2, fused_out, expected_m
         rows, I, K, topk, local_num_experts, global_num_experts, tokens_per_pass, device, \
             dtype = key
         pf, experts = self.prepare_finalize, self.experts
