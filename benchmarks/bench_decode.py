@@ -228,7 +228,8 @@ def print_profile(M: int, profile: dict) -> None:
           f"{profile['wrapped_host_us']:.1f} wrapped (the difference is the wrappers' cost)")
     print(f"  {'stage':40s} {'calls':>6s} {'incl_us':>8s} {'self_us':>8s}")
     for name, (n, incl, own) in profile["stages"].items():
-        print(f"  {name:40s} {n:6.2f} {incl:8.1f} {own:8.1f}")
+        if n:  # (a receive hook stage stays empty where DeepEP is not asked for hooks)
+            print(f"  {name:40s} {n:6.2f} {incl:8.1f} {own:8.1f}")
 
 
 def cprofile_top(fn, calls: int, top: int) -> str:
