@@ -386,3 +386,56 @@ def test_experts_reuse_their_views_when_vllm_hands_fresh_views_of_the_same_works
                for v in ex._workspace_views.values())  # the first buffer's views let go
     assert outs[0].abs().sum() > 0
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+class _PlatformNotCpu:
+    """vLLM's current_platform as its FusedMoEKernel sees it on a GPU machine (not the CPU: the
+    workspaces come from its WorkspaceManager), everything else passed through."""
+
+    def __init__(self, platform):
+        self._platform = platform
+
+    def __getattr__(self, name):
+        return getattr(self._platform, name)
+
+    @staticmethod
+    def is_cpu() -> bool:
+        return False
+
+
+def test_vllm_kernel_through_its_workspace_manager_equals_ours_over_many_calls(monkeypatch):
+    """vLLM's FusedMoEKernel as on a GPU platform: both workspaces are fresh views of one buffer
+    of its WorkspaceManager (poisoned before every call), which the adapter maps to the first
+    views it got of the same memory and shapes. One layer called with M below, at and above
+    VLLM_FUSED_MOE_CHUNK_SIZE (one pass, several passes whose views start at another offset of
+    the same memory, a short last pass), top-1 and top-k, the router weight on the input, the
+    buffer growing in between: bit-equal to our own kernel on the same inputs every call."""
+    from vllm.v1.worker import workspace
+
+    monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", "48")
+    monkeypatch.setattr(mk, "current_platform", _PlatformNotCpu(mk.current_platform))
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)  # none on a CPU machine
+    manager = workspace.WorkspaceManager(torch.device("cpu"))
+    monkeypatch.setattr(workspace, "_manager", manager)
+    E = 8
+    g = torch.Generator().manual_seed(11)
+    w = random_fp8_moe_weights(E, K, I, generator=g)
+    experts = VllmTritonExperts(moe_config(E, 1), block_quant_config(w))
+    experts._workspaces_kept_by_vllm = True  # as on a GPU platform
+    kernel = mk.FusedMoEKernel(VllmNoEPPrepareAndFinalize(), experts)
+    ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
+    calls = [(40, 1, False), (97, 1, False), (48, 2, False), (97, 1, False), (96, 1, True),
+             (45, 2, False), (200, 2, False), (97, 1, False), (49, 1, True), (1, 2, False)]
+    for M, k, on_input in calls:
+        x = torch.randn(M, K, generator=g).bfloat16()
+        tw, ti = fused_topk(torch.randn(M, E, generator=g), k, renormalize=k > 1)
+        ti = ti.to(torch.int32)
+        want = ours(x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale,
+                    global_num_experts=E, apply_router_weight_on_input=on_input)
+        for buffer in manager._current_workspaces:
+            if buffer is not None:
+                buffer.fill_(0xFF)  # bf16 NaN in every element of both workspaces
+        got = kernel.apply(x, w.w1, w.w2, tw, ti, MoEActivation.SILU, E, None, on_input)
+        assert want.abs().sum() > 0 and not got.isnan().any(), (M, k, on_input)
+        assert torch.equal(got, want), (M, k, on_input)
+    assert len(experts._workspace_views) > 1  # several calls reused views of the same memory
