@@ -19,7 +19,9 @@ layer with its GEMMs replaced by the FP8 GEMM promoting every 32 of K (IMPRECISE
 GEMMs: acc32, the first only: acc32_gemm1), by the exact block product (float64 per 128-K
 block, ``grouped_fp8_gemm_contiguous_ref``: exact), and of our layer with activation scales
 rounded up to powers of two (ue8m0: what vLLM's quant does where DeepGEMM's E8M0 is in use), at
-K >= 4096. The test's verdict is unchanged.
+K >= 4096. Each output is also kept as it was when its call returned: a DIAG value computed from
+an output that changed since (memory written after the call, by a later call) is marked
+``changed after its call`` with the usage it had at return. The test's verdict is unchanged.
 ``--ours-follow-e8m0`` runs both calls (our layer, and vLLM's kernel around our adapters) with
 those power-of-two scales where vLLM uses them. ``--ours-shard i/n`` keeps every n-th case from i,
 so n processes can share one GPU (the reference is a launch-bound loop of small matmuls);
@@ -41,6 +43,7 @@ import torch
 
 _TEST = "test_w8a8_block_fp8_fused_moe"
 _VARIANTS = {}  # name -> our layer's output with that GEMM, of the last fused_experts call
+_AT_RETURN = {}  # name ("layer" or a variant's) -> a copy of its output when its call returned
 
 
 def pytest_addoption(parser):
@@ -122,12 +125,20 @@ def _make_fused_experts(diagnose: bool, follow_e8m0: bool):
             raise ValueError(f"fused_experts stand-in: unexpected arguments {sorted(unused)}")
         args = (a, w1, w2, topk_weights, topk_ids, quant_config)
         _VARIANTS.clear()
+        _AT_RETURN.clear()
+
+        def kept(name, out):
+            """out, with a copy of it as it is now (diagnose: see the DIAG hook)."""
+            if diagnose:
+                _AT_RETURN[name] = out.clone()
+            return out
+
         if follow_e8m0:
             from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
 
             if is_deep_gemm_e8m0_used():
                 with _Ue8m0Activations():
-                    return _our_layer_call(*args)
+                    return kept("layer", _our_layer_call(*args))
         if diagnose and a.shape[1] >= 4096:
             from vllm_moe_fixes.ops import grouped_gemm as gg
 
@@ -138,12 +149,13 @@ def _make_fused_experts(diagnose: bool, follow_e8m0: bool):
                     return gg.grouped_fp8_gemm_contiguous_triton(a_, w_, o_, m_, cfg)
                 return launcher
 
-            _VARIANTS["acc32"] = _with_gemm(promoting(False), *args)
-            _VARIANTS["acc32_gemm1"] = _with_gemm(promoting(True), *args)
-            _VARIANTS["exact"] = _with_gemm(gg.grouped_fp8_gemm_contiguous_ref, *args)
+            _VARIANTS["acc32"] = kept("acc32", _with_gemm(promoting(False), *args))
+            _VARIANTS["acc32_gemm1"] = kept("acc32_gemm1", _with_gemm(promoting(True), *args))
+            _VARIANTS["exact"] = kept("exact", _with_gemm(gg.grouped_fp8_gemm_contiguous_ref,
+                                                          *args))
             with _Ue8m0Activations():
-                _VARIANTS["ue8m0"] = _our_layer_call(*args)
-        return _our_layer_call(*args)
+                _VARIANTS["ue8m0"] = kept("ue8m0", _our_layer_call(*args))
+        return kept("layer", _our_layer_call(*args))
     return fused_experts
 
 
@@ -166,6 +178,12 @@ def _make_modular(follow_e8m0: bool):
                     return kernel.apply(*args, **kwargs)
         return FollowingE8m0()
     return modular_triton_fused_moe
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality (a NaN equals the same NaN) of two tensors of one dtype and shape."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
 
 
 def _usage(actual, expected, atol, rtol) -> float:
@@ -209,10 +227,15 @@ def pytest_runtest_call(item):
     def assert_close(actual, expected, *args, atol=None, rtol=None, **kwargs):
         which = "layer" if not calls else "vllm_kernel_adapters"
         calls.append(which)
-        fields = [f"{which} {_usage(actual, expected, atol, rtol):.3f}"]
-        if which == "layer":
-            fields += [f"{k} {_usage(v, expected, atol, rtol):.3f}"
-                       for k, v in _VARIANTS.items()]
+        outputs = [(which, actual)] + (list(_VARIANTS.items()) if which == "layer" else [])
+        fields = []
+        for name, out in outputs:
+            field = f"{name} {_usage(out, expected, atol, rtol):.3f}"
+            kept = _AT_RETURN.get(name if which == "layer" else None)
+            if kept is not None and not _same_bits(out, kept):
+                field += (f" (changed after its call: at return "
+                          f"{_usage(kept, expected, atol, rtol):.3f})")
+            fields.append(field)
         print(f"\nDIAG {item.name} tol {atol}: " + ", ".join(fields), flush=True)
         return real(actual, expected, *args, atol=atol, rtol=rtol, **kwargs)
 
