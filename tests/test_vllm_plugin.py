@@ -144,6 +144,8 @@ def _layer_through_the_hook(rank, world_size, device="cpu", sizes=(E, K, I, TOPK
         parallel_state.init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo" if device == "cpu" else "nccl")
         parallel_state.initialize_model_parallel(1, 1)
+        from test_vllm_adapters import init_workspace_manager
+        init_workspace_manager()  # vLLM's kernel takes its workspaces from it off the CPU
         quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
                           weight_block_size=[128, 128])
 
