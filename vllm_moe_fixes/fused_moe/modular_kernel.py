@@ -320,22 +320,6 @@ class FusedMoEModularKernel:
         self._plans[key] = (spaces, spaces.generation, weakref.ref(ws13), weakref.ref(ws2),
                             None if fused_out is None else weakref.ref(fused_out), expected_m)
         return ws13, ws2, fused_out, expected_m
-        rows, I, K, topk, local_num_experts, global_num_experts, tokens_per_pass, device, \
-            dtype = key
-        pf, experts = self.prepare_finalize, self.experts
-        ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(
-            rows, I, K, topk, local_num_experts, tokens_per_pass=tokens_per_pass)
-        ws13, ws2 = spaces.get(ws13_shape, ws2_shape, device, dtype)
-        fused_out = None  # the layer's output: the experts reduce, finalize passes it through
-        if not (experts.reduces_output and pf.passes_reduced_output_through):
-            fused_out = views_cached_on(ws13, ws2, _experts_output_view, tuple(out_shape),
-                                        type(experts).__name__)
-        expected_m = None if standard or rows == 0 else expected_rows_per_expert(
-            pf.max_num_tokens_per_rank(), pf.num_dispatchers(), topk, global_num_experts, rows)
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        plan = self._plans[key] = (spaces, spaces.generation, ws13, ws2, fused_out, expected_m)
-        return plan
 
 
 def _experts_output_view(ws13: torch.Tensor, ws2: torch.Tensor, out_shape: tuple,

@@ -423,6 +423,18 @@ def permute_rows_ref(a_q: torch.Tensor, a_s: torch.Tensor, layout: ContiguousLay
     out_s.copy_(a_s.index_select(0, src).masked_fill_(padding, 0.0))
 
 
+def check_permuted_outputs(out_q: torch.Tensor, out_s: torch.Tensor, m_sum: int,
+                           K: int) -> None:
+    """The permuted FP8 rows and their scales a permute writes: out_q float8_e4m3fn [M_sum, K]
+    with contiguous rows, out_s float32 [M_sum, K/128] (any strides). ValueError otherwise."""
+    _check(out_q.dtype == FP8_DTYPE and tuple(out_q.shape) == (m_sum, K)
+           and out_q.stride(1) == 1, f"out_q must be float8_e4m3fn {(m_sum, K)} with contiguous "
+           f"rows, got {out_q.dtype} {tuple(out_q.shape)} strides {out_q.stride()}")
+    _check(out_s.dtype == torch.float32 and tuple(out_s.shape) == (m_sum, K // SCALE_BLOCK),
+           f"out_s must be float32 {(m_sum, K // SCALE_BLOCK)}, got {out_s.dtype} "
+           f"{tuple(out_s.shape)}")
+
+
 def permute_rows(a_q: torch.Tensor, a_s: torch.Tensor, layout: ContiguousLayout,
                  out_q: torch.Tensor, out_s: torch.Tensor) -> None:
     """Gather the quantised activations into the contiguous layout, padding rows zeroed.
@@ -446,12 +458,7 @@ def permute_rows(a_q: torch.Tensor, a_s: torch.Tensor, layout: ContiguousLayout,
     _check(K % SCALE_BLOCK == 0, f"a_q: K must be a multiple of {SCALE_BLOCK}, got {K}")
     _check(a_s.dtype == torch.float32 and tuple(a_s.shape) == (M, K // SCALE_BLOCK),
            f"a_s must be float32 {(M, K // SCALE_BLOCK)}, got {a_s.dtype} {tuple(a_s.shape)}")
-    _check(out_q.dtype == FP8_DTYPE and tuple(out_q.shape) == (m_sum, K)
-           and out_q.stride(1) == 1, f"out_q must be float8_e4m3fn {(m_sum, K)} with contiguous "
-           f"rows, got {out_q.dtype} {tuple(out_q.shape)} strides {out_q.stride()}")
-    _check(out_s.dtype == torch.float32 and tuple(out_s.shape) == (m_sum, K // SCALE_BLOCK),
-           f"out_s must be float32 {(m_sum, K // SCALE_BLOCK)}, got {out_s.dtype} "
-           f"{tuple(out_s.shape)}")
+    check_permuted_outputs(out_q, out_s, m_sum, K)
     devices = {t.device for t in (a_q, a_s, out_q, out_s, layout.src_row)}
     _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if a_q.is_cuda:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes._validate import check as _check
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
+from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import (
     QUANT_BLOCK_M,
     QUANT_EPS,
@@ -38,7 +38,11 @@ from vllm_moe_fixes.ops.fp8_quant import (
     per_token_group_quant_fp8_ref,
     quantize_groups,
 )
-from vllm_moe_fixes.ops.permute import ContiguousLayout, permute_rows_ref
+from vllm_moe_fixes.ops.permute import (
+    ContiguousLayout,
+    check_permuted_outputs,
+    permute_rows_ref,
+)
 from vllm_moe_fixes.ops.triton_utils import INTERPRETING, KernelLauncher, next_power_of_2
 from vllm_moe_fixes.sizes import cdiv
 
@@ -147,12 +151,7 @@ def quant_permute(x: torch.Tensor, layout: ContiguousLayout, out_q: torch.Tensor
     _check(K % SCALE_BLOCK == 0, f"x: K must be a multiple of {SCALE_BLOCK}, got {K}")
     _check(layout.dest.dim() == 1 and (layout.dest.numel() % M == 0 if M else True),
            f"layout.dest must be [M*k] for M={M}, got {tuple(layout.dest.shape)}")
-    _check(out_q.dtype == FP8_DTYPE and tuple(out_q.shape) == (m_sum, K)
-           and out_q.stride(1) == 1, f"out_q must be float8_e4m3fn {(m_sum, K)} with contiguous "
-           f"rows, got {out_q.dtype} {tuple(out_q.shape)} strides {out_q.stride()}")
-    _check(out_s.dtype == torch.float32 and tuple(out_s.shape) == (m_sum, K // SCALE_BLOCK),
-           f"out_s must be float32 {(m_sum, K // SCALE_BLOCK)}, got {out_s.dtype} "
-           f"{tuple(out_s.shape)}")
+    check_permuted_outputs(out_q, out_s, m_sum, K)
     devices = {t.device for t in (x, out_q, out_s, layout.src_row, layout.dest)}
     _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if x.is_cuda:
