@@ -88,6 +88,7 @@ from vllm_moe_fixes.sizes import expected_rows_per_expert, layer_declared_bytes
 from vllm_moe_fixes.testing import (
     Fp8MoEWeights,
     calc_diff,
+    cuda_kernel_events,
     kernels_per_call,
     random_fp8_moe_weights,
     unfused_moe_layer,
@@ -358,19 +359,11 @@ def print_versus_vllm(rows) -> None:
 def kernel_table(fn, calls: int = 5) -> list[dict]:
     """GPU time per call of each kernel fn launches (torch.profiler, after a warm-up call),
     largest first; names cut at their first '<' or '(' and at 60 characters."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     totals: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = e.name.split("<")[0].split("(")[0][:60]
-            n, t = totals.get(name, (0, 0.0))
-            totals[name] = (n + 1, t + e.time_range.elapsed_us())
+    for e in cuda_kernel_events(fn, calls):
+        name = e.name.split("<")[0].split("(")[0][:60]
+        n, t = totals.get(name, (0, 0.0))
+        totals[name] = (n + 1, t + e.time_range.elapsed_us())
     whole = sum(t for _, t in totals.values()) or 1.0
     return sorted((dict(kernel=k, per_call=n / calls, us=t / calls, share=t / whole)
                    for k, (n, t) in totals.items()), key=lambda r: -r["us"])

@@ -24,8 +24,8 @@ from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8
 from vllm_moe_fixes.ops.moe_sum import moe_sum
 from vllm_moe_fixes.ops.permute import build_contiguous_layout_ref
 
-__all__ = ["Fp8MoEWeights", "calc_diff", "kernels_per_call", "moe_reference", "quant_block_fp8",
-           "random_fp8_moe_weights", "rel_err", "unfused_moe_layer"]
+__all__ = ["Fp8MoEWeights", "calc_diff", "cuda_kernel_events", "kernels_per_call", "moe_reference",
+           "quant_block_fp8", "random_fp8_moe_weights", "rel_err", "unfused_moe_layer"]
 
 
 # ------------------------------------------------------------------------- weights
@@ -123,9 +123,9 @@ def rel_err(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-12) -> float:
     return float((x - y).norm() / y.norm().clamp(min=eps))
 
 
-def kernels_per_call(fn, calls: int = 3, *, copies: bool = True) -> tuple[float, list[str]]:
-    """(CUDA kernels per call of fn, their sorted names), from torch.profiler after a warm-up
-    call; copies=False leaves out memcpy and memset operations."""
+def cuda_kernel_events(fn, calls: int) -> list:
+    """torch.profiler's CUDA events (kernels, memcpy, memset) of `calls` calls of fn, after a
+    warm-up call."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -133,6 +133,12 @@ def kernels_per_call(fn, calls: int = 3, *, copies: bool = True) -> tuple[float,
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and (copies or not e.name.startswith(("Memcpy", "Memset")))]
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernels_per_call(fn, calls: int = 3, *, copies: bool = True) -> tuple[float, list[str]]:
+    """(CUDA kernels per call of fn, their sorted names), from torch.profiler after a warm-up
+    call; copies=False leaves out memcpy and memset operations."""
+    kernels = [e for e in cuda_kernel_events(fn, calls)
+               if copies or not e.name.startswith(("Memcpy", "Memset"))]
     return len(kernels) / calls, sorted({e.name for e in kernels})
