@@ -2,6 +2,7 @@
 # A session's closing GPU check in one device call on one H200 (about 8 minutes):
 #
 #     bash benchmarks/device_session.sh      # carry .deps/deps_src.tar.xz, .deps/*.so.gz, .vllm_carry
+#                                            # and .deps/dg_jit_cache.tgz where an earlier call left one
 #
 # In parallel: (a) the GPU suite with the real DeepEP v1.2.1 and DeepGEMM v2.6.1 (device_run.sh
 # tests), (b) vLLM 0.33's harness on our single-GPU cases, our adapters inside vLLM's kernel on the
@@ -16,6 +17,9 @@ FINAL="${OUT:-/tmp/out}"
 export OUT="$FINAL/session"
 mkdir -p "$OUT"
 [[ -d .deps/DeepGEMM/csrc ]] || tar xJf .deps/deps_src.tar.xz -C .deps
+# DeepGEMM compiles each kernel with NVCC at its first use (most of a minute per fresh machine):
+# a cache carried back from an earlier call (.deps/dg_jit_cache.tgz) is unpacked first.
+[[ -f .deps/dg_jit_cache.tgz && ! -d .deps/dg_jit_cache ]] && tar xzf .deps/dg_jit_cache.tgz -C .deps
 BENCHES=" " bash benchmarks/device_run.sh bench >"$OUT/libraries.log" 2>&1
 export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR="$PWD/.deps/dg_jit_cache"
 export PYTHONPATH="$PWD/.deps/DeepEP:$PWD/.deps/DeepGEMM${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,3 +55,7 @@ timeout -k 5 "${EXPERTS_S:-150}" python3 -m benchmarks.bench_experts --skip-chun
 tail -n 24 "$FINAL/experts.log"
 cp benchmarks/results/experts.json "$FINAL/" 2>/dev/null
 rm -rf "$OUT"
+# The JIT cache for the next call (carry it as .deps/dg_jit_cache.tgz), if it fits a returned file.
+tar czf "$FINAL/dg_jit_cache.tgz" -C .deps dg_jit_cache 2>/dev/null
+[[ $(stat -c %s "$FINAL/dg_jit_cache.tgz" 2>/dev/null || echo 0) -le 16000000 ]] \
+    || rm -f "$FINAL/dg_jit_cache.tgz"
