@@ -43,8 +43,9 @@ class ActivationFormat(enum.Enum):
 class PrepareResult:
     """What prepare hands to the experts.
 
-    a1q: float8_e4m3fn, STANDARD [M', K] / BATCHED [E_l, T, K].
-    a1q_scale: float32 [M', K/128] / [E_l, T, K/128] (any strides).
+    a1q: float8_e4m3fn, STANDARD [M', K] / BATCHED [E_l, T, K]; bfloat16 [M', K] from a prepare
+        with defer_input_quant (the experts quantise it).
+    a1q_scale: float32 [M', K/128] / [E_l, T, K/128] (any strides); None with defer_input_quant.
     topk_ids: STANDARD: int32/int64 [M', k] GLOBAL expert ids, -1 = not on this rank; None =
         keep the caller's. The kernel passes these to the experts and to finalize.
     topk_weights: STANDARD: float32 [M', k] (0 where the id is -1); None = keep the caller's.
@@ -52,7 +53,7 @@ class PrepareResult:
     """
 
     a1q: torch.Tensor
-    a1q_scale: torch.Tensor
+    a1q_scale: torch.Tensor | None
     topk_ids: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
     expert_num_tokens: torch.Tensor | None = None
