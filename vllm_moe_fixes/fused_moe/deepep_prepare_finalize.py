@@ -231,7 +231,9 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
             return
         if plan.index < plan.passes:
             self.buffer.pass_stamp = plan
-            self._plan = plan._replace(index=plan.index + 1)
+            # positional: NamedTuple._replace costs twice as much per pass
+            self._plan = PassStamp(plan.index + 1, plan.passes, plan.tokens_per_pass,
+                                   plan.max_tokens)
         else:
             self.buffer.pass_stamp = NO_STAMP
 
