@@ -52,12 +52,23 @@ def _cfg(bm, bn, warps, stages, group_m, **flags):
                 **flags)
 
 
-# Candidates of --sweep: the default (first; see the measured notes in ops/grouped_gemm.py) and
-# its neighbours, so a GPU run re-checks the choice in about a minute. Shared memory per stage is
-# 24 KiB at 64x128, 32 KiB at 128x128 (an SM has 228 KiB).
+# Candidates of --sweep: the default first (every other config must match its bits), then the
+# default's tile with the scales prefetched (SCALE_PREFETCH) and larger tiles with it. Shared
+# memory per stage is 24 KiB at 64x128, 32 KiB at 128x128, 40 KiB at 64x256 (228 KiB an SM); the
+# comments give registers per thread (triton 3.6, sm_90, compiled offline) and so the CTAs an SM
+# holds (65536 registers).
 SWEEP = [
-    _cfg(64, 128, 4, 3, 32), _cfg(64, 128, 4, 3, 16), _cfg(64, 128, 4, 3, 8),
-    _cfg(128, 128, 8, 4, 16),
+    _cfg(64, 128, 4, 3, 32),                                  # 160 regs: 3 CTAs
+    _cfg(64, 128, 4, 3, 32, SCALE_PREFETCH=True),             # 158: 3
+    _cfg(64, 128, 4, 3, 16, SCALE_PREFETCH=True),
+    _cfg(64, 128, 4, 4, 32, SCALE_PREFETCH=True),             # 2 (shared memory)
+    _cfg(128, 128, 8, 3, 32, SCALE_PREFETCH=True),            # 160: 1
+    _cfg(128, 128, 8, 3, 8, SCALE_PREFETCH=True),
+    _cfg(128, 128, 8, 4, 16, SCALE_PREFETCH=True),
+    _cfg(64, 256, 8, 3, 32, SCALE_PREFETCH=True),             # 181: 1
+    _cfg(64, 128, 8, 3, 32, SCALE_PREFETCH=True),             # 93: 2
+    _cfg(64, 64, 4, 3, 32, SCALE_PREFETCH=True),              # 92: 4 (shared memory)
+    _cfg(64, 128, 4, 3, 32, SCALE_PREFETCH=True, WARP_SPECIALIZE=True),
 ]
 
 
@@ -73,7 +84,7 @@ def timed_us(fn) -> float:
 
 def config_name(cfg: dict) -> str:
     flags = (f" acc{cfg['IMPRECISE_ACC']}" if cfg.get("IMPRECISE_ACC") else "") + (
-        " ws" if cfg.get("WARP_SPECIALIZE") else "")
+        " ws" if cfg.get("WARP_SPECIALIZE") else "") + (" pf" if cfg.get("SCALE_PREFETCH") else "")
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} {cfg['num_warps']}w {cfg['num_stages']}s "
             f"g{cfg['GROUP_M']}{flags}")
 

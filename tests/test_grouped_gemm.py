@@ -156,6 +156,32 @@ def test_masked_triton(kernel_device, config, layout):
     check_masked(out, a_q, a_s, w_q, w_s, masked_m, 1e-5)
 
 
+# SCALE_PREFETCH loads each K block's scales one block ahead: the same values in the same sums,
+# so the output equals the unprefetched kernel's bit for bit. K = 128 (one block: the prefetch of
+# the last block loads it again) and 384; BLOCK_N 128 (one weight scale per tile) and 256 (two).
+@pytest.mark.parametrize("K", [128, 384])
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_scale_prefetch_matches_unprefetched(kernel_device, K, block_n):
+    m_idx = contiguous_layout([130, 0, 5]).to(kernel_device)
+    M, E, N, T = m_idx.numel(), 3, 256, 136
+    _, _, (a_q, a_s), (w_q, w_s) = make_problem(E, N, K, (M,), kernel_device, 50 + K)
+    _, _, (am_q, am_s), _ = make_problem(E, N, K, (E, T), kernel_device, 60 + K)
+    a_s, am_s = mn_major(a_s), mn_major(am_s)
+    masked_m = torch.tensor([130, 0, 5], dtype=torch.int32, device=kernel_device)
+    outs = {}
+    for prefetch in (False, True):
+        cfg = dict(BLOCK_N=block_n, num_stages=2, SCALE_PREFETCH=prefetch)
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+        grouped_fp8_gemm_contiguous_triton((a_q, a_s), (w_q, w_s), out, m_idx, cfg)
+        check_contiguous(out, a_q, a_s, w_q, w_s, m_idx, 1e-5)
+        out_m = torch.full((E, T, N), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+        grouped_fp8_gemm_masked_triton((am_q, am_s), (w_q, w_s), out_m, masked_m, None, cfg)
+        check_masked(out_m, am_q, am_s, w_q, w_s, masked_m, 1e-5)
+        outs[prefetch] = (out, out_m)
+    assert torch.equal(outs[False][0], outs[True][0])
+    assert torch.equal(outs[False][1].nan_to_num(), outs[True][1].nan_to_num())
+
+
 # Inputs that a TMA descriptor cannot describe: the launchers fall back to pointer loads.
 def _misaligned(t, offset):
     """Copy of t in a fresh buffer at `offset` elements past a 16-byte boundary."""
@@ -421,8 +447,11 @@ def test_contiguous_gpu(segments, N, K, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
                                                 num_stages=4, GROUP_M=8),
-                                    dict(IMPRECISE_ACC=32), dict(IMPRECISE_ACC=64)],
-                         ids=["default", "m128", "acc32", "acc64"])
+                                    dict(IMPRECISE_ACC=32), dict(IMPRECISE_ACC=64),
+                                    dict(SCALE_PREFETCH=True),
+                                    dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=3,
+                                         SCALE_PREFETCH=True)],
+                         ids=["default", "m128", "acc32", "acc64", "prefetch", "m64n256-prefetch"])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer-fallback"])
 def test_tma_and_fallback_gpu(config, tma):
     segments, N, K = [1024, 700, 1, 0, 513], 4096, 7168 - 128

@@ -39,8 +39,8 @@ from vllm_moe_fixes.sizes import cdiv
 # Block configuration
 # ----------------------------------------------------------------------------------------------
 # A config is a dict with the keys of DEFAULT_CONFIG: BLOCK_M, BLOCK_N (tile), GROUP_M (M tiles
-# per L2 swizzle group), num_warps, num_stages, IMPRECISE_ACC, WARP_SPECIALIZE. BLOCK_K is
-# SCALE_BLOCK (one scale per K block).
+# per L2 swizzle group), num_warps, num_stages, IMPRECISE_ACC, WARP_SPECIALIZE, SCALE_PREFETCH.
+# BLOCK_K is SCALE_BLOCK (one scale per K block).
 #
 # IMPRECISE_ACC: how many K elements Hopper's FP8 tensor cores sum in their own accumulator before
 # the partial sum is added in float32. Their FP8 accumulator keeps only about 14 mantissa bits, and
@@ -52,6 +52,9 @@ from vllm_moe_fixes.sizes import cdiv
 # in 6.8% of elements, 64 in 4.3%, 32 in 2.6%, at 0.87 / 0.62 of the default's TFLOP/s
 # (benchmarks/results/grouped_gemm_accuracy.json, kernels_h200.log). Other GPUs and the
 # interpreter accumulate in float32 throughout and ignore it.
+# SCALE_PREFETCH: load each K block's activation and weight scales one block ahead (before the
+# previous block's dot), where otherwise their global loads wait for the dot to finish: triton 3.6
+# pipelines only the TMA operands of the K loop. Same values, same sums: bit-equal output.
 # WARP_SPECIALIZE: Triton's automatic warp specialisation of the K loop (producer / consumer
 # partitions; triton 3.6 implements it for Hopper). Measured at 4 x 8192, N 4096, K 7168: 888 vs
 # 892 TFLOP/s contiguous, 423 vs 899 masked, so it stays off.
@@ -75,7 +78,7 @@ from vllm_moe_fixes.sizes import cdiv
 # vs 0.982 / 0.977; grouped_gemm_sweep_h200.log). The masked kernel shares the main loop and the
 # TMA operand shapes, so it takes the same default.
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=32, num_warps=4, num_stages=3,
-                      IMPRECISE_ACC=0, WARP_SPECIALIZE=False)
+                      IMPRECISE_ACC=0, WARP_SPECIALIZE=False, SCALE_PREFETCH=False)
 
 
 def default_config() -> dict:
@@ -194,7 +197,7 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
                       a_desc, w_desc, a_row, w_row,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
-                      WARP_SPECIALIZE: tl.constexpr):
+                      WARP_SPECIALIZE: tl.constexpr, SCALE_PREFETCH: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = sum over K blocks of dot(A_blk, W_blk^T) * a_s * w_s.
 
     `rows` / `cols` are int64 indices already clamped into range (no masks in the loop); scale
@@ -212,7 +215,20 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
     else:
         w_s_ptrs = w_s_ptr + (cols // BLOCK_K) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in tl.range(0, K // BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    num_kb = K // BLOCK_K
+    # SCALE_PREFETCH: the scales of K block kb + 1 are loaded before block kb's dot (carried
+    # through the loop), so their global-load latency overlaps the dot instead of following its
+    # wait; Triton's pipeliner stages only the TMA operands, not these loads.
+    if SCALE_PREFETCH:
+        a_s_next = tl.load(a_s_ptrs)
+        w_s_next = tl.load(w_s_ptrs)
+    for kb in tl.range(0, num_kb, warp_specialize=WARP_SPECIALIZE):
+        if SCALE_PREFETCH:
+            a_s = a_s_next
+            w_s = w_s_next
+            kb_next = tl.minimum(kb + 1, num_kb - 1)  # the last block loads its own again
+            a_s_next = tl.load(a_s_ptrs + kb_next * stride_ask)
+            w_s_next = tl.load(w_s_ptrs + kb_next * stride_wsk)
         if TMA:
             a = a_desc.load([a_row, kb * BLOCK_K])
             w = w_desc.load([w_row, kb * BLOCK_K]).T
@@ -225,11 +241,13 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
             part = tl.dot(a, w)
         else:
             part = tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_ACC)
-        a_s = tl.load(a_s_ptrs + kb * stride_ask)
+        if not SCALE_PREFETCH:
+            a_s = tl.load(a_s_ptrs + kb * stride_ask)
+            w_s = tl.load(w_s_ptrs + kb * stride_wsk)
         if BLOCK_N <= BLOCK_K:
-            acc += part * (a_s * tl.load(w_s_ptrs + kb * stride_wsk))[:, None]
+            acc += part * (a_s * w_s)[:, None]
         else:
-            acc += part * (a_s[:, None] * tl.load(w_s_ptrs + kb * stride_wsk)[None, :])
+            acc += part * (a_s[:, None] * w_s[None, :])
     return acc
 
 
@@ -240,7 +258,7 @@ def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N,
                        a_desc, w_desc,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
-                       WARP_SPECIALIZE: tl.constexpr):
+                       WARP_SPECIALIZE: tl.constexpr, SCALE_PREFETCH: tl.constexpr):
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,7 +271,8 @@ def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N,
                                 rows, cols, K, stride_am, stride_asm, stride_ask,
                                 stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
                                 pid_m * BLOCK_M, expert * N + pid_n * BLOCK_N,
-                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE,
+                                SCALE_PREFETCH)
         # Trailing -1 rows of the expert's last tile are padding: exact zeros.
         row_experts = tl.load(m_idx_ptr + offs_m, mask=offs_m < M, other=-1)
         acc = tl.where((row_experts == expert)[:, None], acc, 0.0)
@@ -272,7 +291,7 @@ def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, 
                    stride_oe, stride_om, a_desc, w_desc,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
-                   WARP_SPECIALIZE: tl.constexpr):
+                   WARP_SPECIALIZE: tl.constexpr, SCALE_PREFETCH: tl.constexpr):
     e = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     valid = tl.minimum(tl.load(masked_m_ptr + e), T)
@@ -288,7 +307,8 @@ def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, 
                                 stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
                                 (e * T + pid_m * BLOCK_M).to(tl.int32),
                                 (e * N + pid_n * BLOCK_N).to(tl.int32),
-                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE,
+                                SCALE_PREFETCH)
         out_ptrs = out_ptr + e * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
         out_mask = (offs_m[:, None] < valid) & (offs_n[None, :] < N)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
