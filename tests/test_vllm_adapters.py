@@ -43,9 +43,24 @@ from vllm_moe_fixes.integrations.vllm import (  # noqa: E402
     VllmNoEPPrepareAndFinalize,
     VllmTritonExperts,
 )
+from vllm_moe_fixes.integrations.vllm.support import vllm_rounds_scales_to_ue8m0  # noqa: E402
 from vllm_moe_fixes.testing import random_fp8_moe_weights  # noqa: E402
 
 K, I = 256, 128
+
+
+def our_no_ep() -> NoEPPrepareAndFinalize:
+    """Our one-rank prepare/finalize as the adapter builds it: activation scales as vLLM decides
+    (power-of-two where DeepGEMM's E8M0 is usable, as on a GPU machine; exact on CPU)."""
+    return NoEPPrepareAndFinalize(use_ue8m0=vllm_rounds_scales_to_ue8m0())
+
+
+def exact_scales_in_vllm() -> None:
+    """vLLM's E8M0 decision off in this process (a rank's). vLLM's low-latency path rounds the
+    experts' requant only (its dispatch keeps exact scales), a mix our kernel's one decision does
+    not build, so the low-latency comparisons with our kernel run with exact scales."""
+    from vllm.utils import deep_gemm
+    deep_gemm.is_deep_gemm_e8m0_used = lambda: False
 
 
 def init_workspace_manager() -> None:
@@ -100,7 +115,7 @@ def test_vllm_kernel_with_adapters_equals_ours(M, E, k, ids_dtype):
     w, x, tw, ti = problem(M, E, k, seed=M + E)
     ti = ti.to(ids_dtype)
     out = vllm_kernel(w, E, k).apply(x, w.w1, w.w2, tw, ti, MoEActivation.SILU, E, None, False)
-    ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())(
+    ours = FusedMoEModularKernel(our_no_ep(), TritonExperts())(
         x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale, global_num_experts=E)
     assert out.dtype == torch.bfloat16 and out.shape == (M, K)
     assert out.abs().sum() > 0
@@ -118,7 +133,7 @@ def test_expert_map_and_router_weight_on_input_equal_ours():
         ti = ti.to(torch.int32)
         out = vllm_kernel(w, E, k, E_l).apply(x, w.w1, w.w2, tw, ti, MoEActivation.SILU, E,
                                               expert_map, on_input)
-        ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())(
+        ours = FusedMoEModularKernel(our_no_ep(), TritonExperts())(
             x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale,
             global_num_experts=E, expert_map=expert_map, apply_router_weight_on_input=on_input)
         assert out.abs().sum() > 0
@@ -423,7 +438,7 @@ def test_vllm_kernel_through_its_workspace_manager_equals_ours_over_many_calls(m
     experts = VllmTritonExperts(moe_config(E, 1), block_quant_config(w))
     experts._workspaces_kept_by_vllm = True  # as on a GPU platform
     kernel = mk.FusedMoEKernel(VllmNoEPPrepareAndFinalize(), experts)
-    ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
+    ours = FusedMoEModularKernel(our_no_ep(), TritonExperts())
     calls = [(40, 1, False), (97, 1, False), (48, 2, False), (97, 1, False), (96, 1, True),
              (45, 2, False), (200, 2, False), (97, 1, False), (49, 1, True), (1, 2, False)]
     for M, k, on_input in calls:

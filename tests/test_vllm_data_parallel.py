@@ -136,7 +136,8 @@ def _in_vllms_kernel(rank, world):
     out = kernel.apply(x, local.w1, local.w2, tw, ti, MoEActivation.SILU, E, expert_map, False)
     ours = FusedMoEModularKernel(
         DeepEPHTPrepareAndFinalize(TorchAll2AllBuffer(None), num_dispatchers=world,
-                                   rank_expert_offset=rank * e_l), TritonExperts())(
+                                   rank_expert_offset=rank * e_l, use_ue8m0=pf.ours.use_ue8m0),
+        TritonExperts())(
         x, local.w1, local.w2, tw, ti, w1_scale=local.w1_scale, w2_scale=local.w2_scale,
         global_num_experts=E, expert_map=expert_map, max_tokens_across_ranks=max(M))
     clear_all2all_buffers()

@@ -12,7 +12,11 @@ import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
 
 from _dist import run_distributed  # noqa: E402
-from test_vllm_adapters import block_quant_config, moe_config  # noqa: E402
+from test_vllm_adapters import (  # noqa: E402
+    block_quant_config,
+    exact_scales_in_vllm,
+    moe_config,
+)
 from vllm_moe_fixes.distributed import TorchAll2AllBuffer  # noqa: E402
 from vllm_moe_fixes.fused_moe import (  # noqa: E402
     BatchedTritonExperts,
@@ -71,7 +75,8 @@ def _high_throughput(rank, world):
                            expert_map, False)
         ours = FusedMoEModularKernel(
             DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world,
-                                       rank_expert_offset=rank * e_l), TritonExperts())(
+                                       rank_expert_offset=rank * e_l,
+                                       use_ue8m0=pf.ours.use_ue8m0), TritonExperts())(
             x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, global_num_experts=E,
             expert_map=expert_map, max_tokens_across_ranks=max(M))
         results.append((torch.equal(out, ours), x.shape[0] == 0 or bool(out.abs().sum() > 0)))
@@ -79,6 +84,7 @@ def _high_throughput(rank, world):
 
 
 def _low_latency(rank, world, K=2048, N=8):
+    exact_scales_in_vllm()
     buffer = TorchAll2AllBuffer(None, low_latency_mode=True, num_max_dispatch_tokens_per_rank=N,
                                 hidden=K, num_experts=E)
     results = []

@@ -16,8 +16,10 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noq
 
 from test_vllm_adapters import (  # noqa: E402
     block_quant_config,
+    exact_scales_in_vllm,
     init_workspace_manager,
     moe_config,
+    our_no_ep,
 )
 from vllm_moe_fixes import fused_moe as ours  # noqa: E402
 from vllm_moe_fixes.integrations.vllm import experts as adapters  # noqa: E402
@@ -57,7 +59,7 @@ def test_vllm_kernel_with_adapters_equals_ours_on_gpu(workspace_manager, pair, M
     for _ in range(2):  # the second call gets fresh workspace views
         out = kernel.apply(x, w.w1, w.w2, tw, ti.to(torch.int32), MoEActivation.SILU, E, None,
                            False)
-    want = ours.FusedMoEModularKernel(ours.NoEPPrepareAndFinalize(), our_cls())(
+    want = ours.FusedMoEModularKernel(our_no_ep(), our_cls())(
         x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale, global_num_experts=E)
     assert out.abs().sum() > 0
     assert torch.equal(out, want)
@@ -98,6 +100,7 @@ def _ll_world_size_1(rank, world_size, vllm_cls_name, our_cls_name):
     import torch.distributed as dist
 
     from vllm_moe_fixes.distributed import make_all2all_buffer
+    exact_scales_in_vllm()
     init_workspace_manager()
     E, K, I, k, N = 32, 2048, 512, 4, 128
     w, x, tw, ti = _problem(100, E, K, I, k, seed=5)

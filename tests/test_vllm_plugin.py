@@ -131,7 +131,8 @@ def _layer_through_the_hook(rank, world_size, device="cpu", sizes=(E, K, I, TOPK
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
     from vllm.platforms import current_platform
 
-    from vllm_moe_fixes.fused_moe import FusedMoEModularKernel, NoEPPrepareAndFinalize
+    from test_vllm_adapters import our_no_ep
+    from vllm_moe_fixes.fused_moe import FusedMoEModularKernel
     from vllm_moe_fixes.testing import random_fp8_moe_weights
 
     messages = []
@@ -187,7 +188,7 @@ def _layer_through_the_hook(rank, world_size, device="cpu", sizes=(E, K, I, TOPK
             out = moe(x, logits)
         tw, ti = moe.router.select_experts(hidden_states=x, router_logits=logits)
         w = [t.to(device) for t in w]
-        ours = FusedMoEModularKernel(NoEPPrepareAndFinalize(),
+        ours = FusedMoEModularKernel(our_no_ep(),
                                      type(kernel.fused_experts.experts)())(
             x, w[0], w[2], tw, ti, w1_scale=w[1], w2_scale=w[3], global_num_experts=E)
     return dict(before=getattr(before, "__name__", str(before)), vllm_alone=vllm_alone,

@@ -9,23 +9,29 @@ SiLU-and-mul in bf16, requantisation) with ``torch.testing.assert_close`` at ato
 untouched and swaps the two calls' targets in the test module's namespace:
 
 - ``fused_experts(a, w1, w2, topk_weights, topk_ids, quant_config=...)`` -> our
-  ``FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())``;
+  ``FusedMoEModularKernel(NoEPPrepareAndFinalize(use_ue8m0=...), TritonExperts())``;
 - ``modular_triton_fused_moe(moe_config, quant_config)`` -> vLLM's own ``FusedMoEKernel`` around our
   adapters ``VllmNoEPPrepareAndFinalize`` + ``VllmTritonExperts`` (what the plugin installs).
+
+Activation scales: where vLLM's ``is_deep_gemm_e8m0_used()`` holds (VLLM_USE_DEEP_GEMM_E8M0, on by
+default, with DeepGEMM on a Hopper GPU) vLLM's quant rounds them up to powers of two, and so does
+the test's reference, which calls it. Both our calls follow that decision through the library's
+option ``use_ue8m0`` (read by ``integrations.vllm.support.vllm_rounds_scales_to_ue8m0``, as the
+adapters read it); ``--ours-exact-scales`` keeps our layer's exact scales instead (the adapters
+still follow vLLM).
 
 With ``--ours-diagnose``, each assert_close of the first call also prints one ``DIAG`` line: the
 tolerance usage max|out - ref| / (atol + rtol |ref|) (> 1 fails) of our layer, and of the same
 layer with its GEMMs replaced by the FP8 GEMM promoting every 32 of K (IMPRECISE_ACC=32; both
 GEMMs: acc32, the first only: acc32_gemm1), by the exact block product (float64 per 128-K
-block, ``grouped_fp8_gemm_contiguous_ref``: exact), and of our layer with activation scales
-rounded up to powers of two (ue8m0: what vLLM's quant does where DeepGEMM's E8M0 is in use), at
+block, ``grouped_fp8_gemm_contiguous_ref``: exact), each with the layer's scales, and of our layer
+with the other scales (exact_scales where it follows vLLM's powers of two, else ue8m0), at
 K >= 4096. Each output is also kept as it was when its call returned: a DIAG value computed from
 an output that changed since (memory written after the call, by a later call) is marked
 ``changed after its call`` with the usage it had at return. The test's verdict is unchanged.
-``--ours-follow-e8m0`` runs both calls (our layer, and vLLM's kernel around our adapters) with
-those power-of-two scales where vLLM uses them. ``--ours-shard i/n`` keeps every n-th case from i,
-so n processes can share one GPU (the reference is a launch-bound loop of small matmuls);
-``--ours-match REGEX`` keeps the cases whose name matches.
+``--ours-shard i/n`` keeps every n-th case from i, so n processes can share one GPU (the
+reference is a launch-bound loop of small matmuls); ``--ours-match REGEX`` keeps the cases whose
+name matches.
 
     cd $VLLM_SRC && PYTHONPATH=$REPO/tests/vllm_support:$REPO:$VLLM_SITE python -m pytest \\
         -p mk_registration -p block_fp8_ours --confcutdir=tests/kernels \\
@@ -50,21 +56,21 @@ def pytest_addoption(parser):
     parser.addoption("--ours-shard", default="0/1", help="i/n: keep cases i, i+n, i+2n, ...")
     parser.addoption("--ours-diagnose", action="store_true",
                      help="print the tolerance usage of our layer and of its variants")
-    parser.addoption("--ours-follow-e8m0", action="store_true",
-                     help="run our layer with power-of-two activation scales where vLLM's "
-                          "is_deep_gemm_e8m0_used() holds (as vLLM's own experts do)")
+    parser.addoption("--ours-exact-scales", action="store_true",
+                     help="run our layer (fused_experts' stand-in) with exact activation scales "
+                          "even where vLLM rounds them to powers of two")
     parser.addoption("--ours-match", default="",
                      help="keep only the cases whose name matches this regular expression")
 
 
-def _our_layer_call(a, w1, w2, topk_weights, topk_ids, quant_config):
+def _our_layer_call(a, w1, w2, topk_weights, topk_ids, quant_config, use_ue8m0):
     from vllm_moe_fixes.fused_moe import (
         FusedMoEModularKernel,
         NoEPPrepareAndFinalize,
         TritonExperts,
     )
 
-    kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
+    kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(use_ue8m0=use_ue8m0), TritonExperts())
     return kernel(a, w1, w2, topk_weights, topk_ids.to(torch.int32),
                   w1_scale=quant_config.w1_scale, w2_scale=quant_config.w2_scale,
                   global_num_experts=w1.shape[0])
@@ -82,47 +88,15 @@ def _with_gemm(launcher, *args):
         experts_steps.grouped_fp8_gemm_contiguous_triton = kept
 
 
-class _Ue8m0Activations:
-    """While entered: our layer quantises its activations (the input and SiLU-and-mul's output)
-    with scales rounded up to powers of two, as vLLM does where ``is_deep_gemm_e8m0_used()``
-    holds, by patching the names the layer's steps call (CUDA launchers and CPU references)."""
-
-    def __enter__(self):
-        from vllm_moe_fixes.fused_moe import experts_steps, no_ep_prepare_finalize as pf
-        from vllm_moe_fixes.ops import fp8_quant, permute, silu_mul_quant
-
-        def quant_permute(x, layout, out_q, out_s):
-            q, s = fp8_quant.per_token_group_quant_fp8(x, use_ue8m0=True)
-            (permute.permute_rows_triton if x.is_cuda else permute.permute_rows_ref)(
-                q, s, layout, out_q, out_s)
-
-        patches = [
-            (pf, "per_token_group_quant_fp8_triton",
-             lambda x, q, s, g, eps, _ue8m0: fp8_quant.per_token_group_quant_fp8_triton(
-                 x, q, s, g, eps, True)),
-            (pf, "per_token_group_quant_fp8",
-             lambda x, g: fp8_quant.per_token_group_quant_fp8(x, g, use_ue8m0=True)),
-            (experts_steps, "quant_permute_triton", quant_permute),
-            (experts_steps, "quant_permute_ref", quant_permute),
-            (experts_steps, "silu_and_mul_quant_fp8_triton",
-             lambda h, q, s, m, _ue8m0: silu_mul_quant.silu_and_mul_quant_fp8_triton(
-                 h, q, s, m, True)),
-            (experts_steps, "silu_and_mul_quant_fp8",
-             lambda h, **kw: silu_mul_quant.silu_and_mul_quant_fp8(h, use_ue8m0=True, **kw)),
-        ]
-        self._kept = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
-        for mod, name, fn in patches:
-            setattr(mod, name, fn)
-
-    def __exit__(self, *exc):
-        for mod, name, fn in self._kept:
-            setattr(mod, name, fn)
-
-
-def _make_fused_experts(diagnose: bool, follow_e8m0: bool):
+def _make_fused_experts(diagnose: bool, exact_scales: bool):
     def fused_experts(a, w1, w2, topk_weights, topk_ids, quant_config=None, **unused):
         if unused:
             raise ValueError(f"fused_experts stand-in: unexpected arguments {sorted(unused)}")
+        from vllm_moe_fixes.integrations.vllm.support import vllm_rounds_scales_to_ue8m0
+
+        # As the plugin's adapters: the layer's scales as vLLM decides (vLLM's fused_experts
+        # quantises with power-of-two scales where is_deep_gemm_e8m0_used() holds).
+        use_ue8m0 = vllm_rounds_scales_to_ue8m0() and not exact_scales
         args = (a, w1, w2, topk_weights, topk_ids, quant_config)
         _VARIANTS.clear()
         _AT_RETURN.clear()
@@ -133,12 +107,6 @@ def _make_fused_experts(diagnose: bool, follow_e8m0: bool):
                 _AT_RETURN[name] = out.clone()
             return out
 
-        if follow_e8m0:
-            from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
-
-            if is_deep_gemm_e8m0_used():
-                with _Ue8m0Activations():
-                    return kept("layer", _our_layer_call(*args))
         if diagnose and a.shape[1] >= 4096:
             from vllm_moe_fixes.ops import grouped_gemm as gg
 
@@ -149,35 +117,26 @@ def _make_fused_experts(diagnose: bool, follow_e8m0: bool):
                     return gg.grouped_fp8_gemm_contiguous_triton(a_, w_, o_, m_, cfg)
                 return launcher
 
-            _VARIANTS["acc32"] = kept("acc32", _with_gemm(promoting(False), *args))
-            _VARIANTS["acc32_gemm1"] = kept("acc32_gemm1", _with_gemm(promoting(True), *args))
+            _VARIANTS["acc32"] = kept("acc32", _with_gemm(promoting(False), *args, use_ue8m0))
+            _VARIANTS["acc32_gemm1"] = kept("acc32_gemm1",
+                                            _with_gemm(promoting(True), *args, use_ue8m0))
             _VARIANTS["exact"] = kept("exact", _with_gemm(gg.grouped_fp8_gemm_contiguous_ref,
-                                                          *args))
-            with _Ue8m0Activations():
-                _VARIANTS["ue8m0"] = kept("ue8m0", _our_layer_call(*args))
-        return kept("layer", _our_layer_call(*args))
+                                                          *args, use_ue8m0))
+            other = "exact_scales" if use_ue8m0 else "ue8m0"
+            _VARIANTS[other] = kept(other, _our_layer_call(*args, not use_ue8m0))
+        return kept("layer", _our_layer_call(*args, use_ue8m0))
     return fused_experts
 
 
-def _make_modular(follow_e8m0: bool):
-    def modular_triton_fused_moe(moe_config, quant_config):
-        import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+def _modular_triton_fused_moe(moe_config, quant_config):
+    """vLLM's kernel around the plugin's adapters, which follow vLLM's E8M0 decision."""
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 
-        from vllm_moe_fixes.integrations.vllm.experts import VllmTritonExperts
-        from vllm_moe_fixes.integrations.vllm.prepare_finalize import VllmNoEPPrepareAndFinalize
+    from vllm_moe_fixes.integrations.vllm.experts import VllmTritonExperts
+    from vllm_moe_fixes.integrations.vllm.prepare_finalize import VllmNoEPPrepareAndFinalize
 
-        kernel = mk.FusedMoEKernel(VllmNoEPPrepareAndFinalize(),
-                                   VllmTritonExperts(moe_config, quant_config))
-        if not (follow_e8m0 and is_deep_gemm_e8m0_used()):
-            return kernel
-
-        class FollowingE8m0:
-            def apply(self, *args, **kwargs):
-                with _Ue8m0Activations():
-                    return kernel.apply(*args, **kwargs)
-        return FollowingE8m0()
-    return modular_triton_fused_moe
+    return mk.FusedMoEKernel(VllmNoEPPrepareAndFinalize(),
+                             VllmTritonExperts(moe_config, quant_config))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -197,7 +156,7 @@ def pytest_collection_modifyitems(config, items):
             from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
             print(f"\nDIAG vLLM is_deep_gemm_e8m0_used() = {is_deep_gemm_e8m0_used()} (True: "
                   "vLLM's quant, and so the test's reference, rounds activation scales to "
-                  "powers of two)", flush=True)
+                  "powers of two, and so do our layer and adapters, use_ue8m0)", flush=True)
         except Exception as exc:  # noqa: BLE001 (a diagnostic line only)
             print(f"\nDIAG is_deep_gemm_e8m0_used() unavailable: {exc!r}", flush=True)
     index, count = (int(v) for v in config.getoption("--ours-shard").split("/"))
@@ -210,8 +169,8 @@ def pytest_collection_modifyitems(config, items):
         if getattr(module, "_ours_swapped", False) or not hasattr(module, _TEST):
             continue
         module.fused_experts = _make_fused_experts(diagnose,
-                                                   config.getoption("--ours-follow-e8m0"))
-        module.modular_triton_fused_moe = _make_modular(config.getoption("--ours-follow-e8m0"))
+                                                   config.getoption("--ours-exact-scales"))
+        module.modular_triton_fused_moe = _modular_triton_fused_moe
         module._ours_swapped = True
 
 

@@ -75,10 +75,11 @@ class BatchedExperts(Experts):
     @one_op_when_compiled
     def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
               expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
-              tokens_per_pass=None, activation="silu") -> None:
+              tokens_per_pass=None, activation="silu", use_ue8m0=False) -> None:
         """a1q fp8 [E_l, T, K], a1q_scale f32 [E_l, T, K/128]; expert_num_tokens int32 [E_l];
         output bf16 [E_l, T, K] (valid rows written). expected_m: rows per expert the caller
-        expects on average (the masked GEMM's tiling hint), None = T. topk_ids, expert_map,
+        expects on average (the masked GEMM's tiling hint), None = T. use_ue8m0: G''s scales
+        rounded up to powers of two (the prepare/finalize's use_ue8m0). topk_ids, expert_map,
         topk_weights and tokens_per_pass are not needed: the combine after the experts weights
         and reduces, and every slice is one pass."""
         if activation != "silu":  # (tests/test_ep_kernel.py calls apply directly)
@@ -94,7 +95,7 @@ class BatchedExperts(Experts):
         h, g_q, g_s = workspace_views(workspace13, workspace2, local_num_experts, t,
                                       weights.w2.shape[2])
         self.gemm((a1q, a1q_scale), (weights.w1, weights.w1_scale), h, masked_m, expected_m)
-        steps.silu_and_mul_quant(h, g_q, g_s, masked_m)
+        steps.silu_and_mul_quant(h, g_q, g_s, masked_m, use_ue8m0)
         self.gemm((g_q, g_s), (weights.w2, weights.w2_scale), output, masked_m, expected_m)
 
 

@@ -151,17 +151,18 @@ class ContiguousExperts(Experts):
     @one_op_when_compiled
     def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
               expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
-              tokens_per_pass=None, activation="silu") -> None:
+              tokens_per_pass=None, activation="silu", use_ue8m0=False) -> None:
         """output bf16 [M, K] (written: the weighted sum of each token's k expert rows; slots
         with no local expert add 0); topk_weights float32 [M, k] or None (plain sum); a1q fp8
         [M, K] with a1q_scale float32 [M, K/128], or a1q bf16 [M, K] with a1q_scale None (the
-        experts quantise it).
+        experts quantise it); use_ue8m0: the scales of that quant and of G''s rounded up to
+        powers of two (the prepare/finalize's use_ue8m0).
 
         M tokens are taken in passes of at most tokens_per_pass (module docstring; None: one
         pass); the workspaces are those workspace_shapes declares for M and the same bound."""
         M = topk_ids.shape[0]
         shared = dict(weights=weights, expert_map=expert_map, workspace13=workspace13,
-                      workspace2=workspace2)
+                      workspace2=workspace2, use_ue8m0=use_ue8m0)
         if tokens_per_pass is None or M <= tokens_per_pass:
             self._apply_pass(output, a1q, a1q_scale, topk_ids, topk_weights, offset13=0,
                              **shared)
@@ -175,7 +176,7 @@ class ContiguousExperts(Experts):
                              offset13=offset13, **shared)
 
     def _apply_pass(self, output, a1q, a1q_scale, topk_ids, topk_weights, *, weights,
-                    expert_map, workspace13, workspace2, offset13) -> None:
+                    expert_map, workspace13, workspace2, offset13, use_ue8m0) -> None:
         """The module docstring's table for one pass's tokens (apply's arguments, sliced)."""
         local_num_experts, K, I = weights.w2.shape
         v = workspace_views(workspace13, workspace2, topk_ids.numel(), local_num_experts, K, I,
@@ -184,11 +185,11 @@ class ContiguousExperts(Experts):
         ends = v.layout.expert_ends
         steps.build_layout(topk_ids, local_num_experts, expert_map, v.layout, v.counts)
         if a1q_scale is None:
-            steps.quant_permute(a1q, v.layout, *v.a)
+            steps.quant_permute(a1q, v.layout, *v.a, use_ue8m0)
         else:
             steps.permute(a1q, a1q_scale, v.layout, *v.a)
         self.gemm(v.a, (weights.w1, weights.w1_scale), v.h, m_indices, ends)
-        steps.silu_and_mul_quant(v.h, *v.g)
+        steps.silu_and_mul_quant(v.h, *v.g, None, use_ue8m0)
         self.gemm(v.g, (weights.w2, weights.w2_scale), v.y, m_indices, ends)
         steps.unpermute_reduce(v.y, v.layout.dest, topk_weights, output)
 

@@ -141,7 +141,10 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
     _needs: tuple[str, ...] = ()  # buffer methods this mode calls
     _buffer_kinds = "a deep_ep.Buffer or TorchAll2AllBuffer"  # what has them (the refusal says)
 
-    def __init__(self, buffer, num_dispatchers: int) -> None:
+    def __init__(self, buffer, num_dispatchers: int, use_ue8m0: bool) -> None:
+        if not isinstance(use_ue8m0, bool):
+            raise ValueError(f"use_ue8m0 must be a bool, got {use_ue8m0!r}")
+        self.use_ue8m0 = use_ue8m0
         missing = [m for m in self._needs if not callable(getattr(buffer, m, None))]
         if missing:
             raise ValueError(f"buffer must be {self._buffer_kinds} (with "
@@ -250,8 +253,9 @@ class PlacedExpertsPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     DeepEPHTPrepareAndFinalize); finalize sums the k slots where the experts did not and
     combines (``buffer.combine(x, handle)``, high-throughput and V2 alike)."""
 
-    def __init__(self, buffer, num_dispatchers: int, rank_expert_offset: int) -> None:
-        super().__init__(buffer, num_dispatchers)
+    def __init__(self, buffer, num_dispatchers: int, rank_expert_offset: int,
+                 use_ue8m0: bool) -> None:
+        super().__init__(buffer, num_dispatchers, use_ue8m0)
         if isinstance(rank_expert_offset, bool) or not isinstance(rank_expert_offset, int) \
                 or rank_expert_offset < 0:
             raise ValueError(f"rank_expert_offset={rank_expert_offset!r} must be an int >= 0")
@@ -322,6 +326,8 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         num_dispatchers: ranks in that group (R).
         rank_expert_offset: global id of this rank's first expert (rank * E_l): added to the
             received local ids so the experts see global ids (with the caller's expert_map).
+        use_ue8m0: the quant before the dispatch (and the experts', through the kernel) rounds
+            its scales up to powers of two (PrepareAndFinalize.use_ue8m0).
 
     The dispatch brings this rank global experts rank * E_l ... rank * E_l + E_l - 1 (DeepEP's
     placement, E_l = num_experts / R), so prepare refuses with a ValueError a wiring that
@@ -341,8 +347,9 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
                          "low-latency mode (DeepEPLLPrepareAndFinalize, as engines run decode), "
                          "or run this one eagerly, outside the graph")
 
-    def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int) -> None:
-        super().__init__(buffer, num_dispatchers, rank_expert_offset)
+    def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int,
+                 use_ue8m0: bool = False) -> None:
+        super().__init__(buffer, num_dispatchers, rank_expert_offset, use_ue8m0)
         self.num_recv_tokens_per_expert: list[int] | None = None  # of the last prepare
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
@@ -358,7 +365,7 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         local_num_experts = check_experts_per_rank(num_experts, self._num_dispatchers)
         self._check_wiring(num_experts, local_num_experts, expert_map)
         a1 = weighted_input(a1, topk_weights, apply_router_weight_on_input)
-        a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
+        a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK, use_ue8m0=self.use_ue8m0)
         ids = topk_ids.to(torch.int64).contiguous()  # DeepEP takes int64 ids
         self._stamp_pass()
         per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
@@ -392,14 +399,17 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             run in chunks of N.
         use_fp8_dispatch: quantise inside the dispatch (DeepEP's cast); else send bf16 and
             quantise the received slices here.
+        use_ue8m0: that quant rounds its scales up to powers of two (the dispatch's cast through
+            DeepEP's round_scale, whose amax floor and scale arithmetic are DeepEP's own), and
+            so do the experts' (through the kernel): PrepareAndFinalize.use_ue8m0.
     """
 
     activation_format = ActivationFormat.BATCHED
     _needs = ("low_latency_dispatch", "low_latency_combine")
 
     def __init__(self, buffer, *, num_dispatchers: int, max_tokens_per_rank: int,
-                 use_fp8_dispatch: bool = True) -> None:
-        super().__init__(buffer, num_dispatchers)
+                 use_fp8_dispatch: bool = True, use_ue8m0: bool = False) -> None:
+        super().__init__(buffer, num_dispatchers, use_ue8m0)
         if not getattr(buffer, "low_latency_mode", False):
             raise ValueError("buffer must be built with low_latency_mode=True for low-latency "
                              "dispatch")
@@ -429,9 +439,11 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             topk_ids.to(torch.int64).contiguous()
         self._stamp_pass()
         recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
-            a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch)
+            a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch,
+            round_scale=self.use_fp8_dispatch and self.use_ue8m0)
         self._pending = (handle, ids)
-        a1q, a1s = recv_x if self.use_fp8_dispatch else quant_batched_fp8(recv_x)
+        a1q, a1s = recv_x if self.use_fp8_dispatch else quant_batched_fp8(
+            recv_x, use_ue8m0=self.use_ue8m0)
         return PrepareResult(a1q=a1q, a1q_scale=a1s, expert_num_tokens=counts)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
@@ -463,6 +475,8 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
             read (False).
         topk_idx_dtype: the dtype V2 was built to take ids in (``deep_ep.topk_idx_t``: int64
             unless DeepEP was built with EP_NUM_TOPK_IDX_BITS=32).
+        use_ue8m0: the quant before the dispatch (and the experts', through the kernel) rounds
+            its scales up to powers of two (PrepareAndFinalize.use_ue8m0).
     """
 
     _buffer_kinds = "a deep_ep.ElasticBuffer (DeepEP V2) or its stand-in TorchElasticBuffer"
@@ -472,8 +486,8 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
 
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int,
                  max_tokens_per_rank: int | None = None, do_cpu_sync: bool = True,
-                 topk_idx_dtype: torch.dtype = torch.int64) -> None:
-        super().__init__(buffer, num_dispatchers, rank_expert_offset)
+                 topk_idx_dtype: torch.dtype = torch.int64, use_ue8m0: bool = False) -> None:
+        super().__init__(buffer, num_dispatchers, rank_expert_offset, use_ue8m0)
         if max_tokens_per_rank is None:
             max_tokens_per_rank = getattr(buffer, "num_max_tokens_per_rank", 0)
         check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
@@ -514,7 +528,7 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         local_num_experts = check_experts_per_rank(num_experts, self._num_dispatchers)
         self._check_wiring(num_experts, local_num_experts, expert_map)
         a1 = weighted_input(a1, topk_weights, apply_router_weight_on_input)
-        a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK)
+        a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK, use_ue8m0=self.use_ue8m0)
         ids = topk_ids.to(self.topk_idx_dtype).contiguous()
         self._stamp_pass()
         (recv_q, recv_s), recv_ids, recv_w, handle, _ = self.buffer.dispatch(

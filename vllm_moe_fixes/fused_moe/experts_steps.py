@@ -56,20 +56,23 @@ def permute(a1q, a1q_scale, layout, out_q, out_s) -> None:
         permute_rows_ref(a1q, a1q_scale, layout, out_q, out_s)
 
 
-def quant_permute(a1, layout, out_q, out_s) -> None:
-    """a1: the unquantised bf16 input (a prepare that deferred its quant)."""
+def quant_permute(a1, layout, out_q, out_s, use_ue8m0: bool) -> None:
+    """a1: the unquantised bf16 input (a prepare that deferred its quant); use_ue8m0: the layer's
+    scale rounding (PrepareAndFinalize.use_ue8m0)."""
     if takes_triton(a1):
-        quant_permute_triton(a1, layout, out_q, out_s)
+        quant_permute_triton(a1, layout, out_q, out_s, use_ue8m0)
     else:
-        quant_permute_ref(a1, layout, out_q, out_s)
+        quant_permute_ref(a1, layout, out_q, out_s, use_ue8m0)
 
 
-def silu_and_mul_quant(h, out_q, out_s, masked_m=None) -> None:
-    """masked_m: int32 [E_l] valid rows per expert slice (batched layout), None: every row."""
+def silu_and_mul_quant(h, out_q, out_s, masked_m, use_ue8m0: bool) -> None:
+    """masked_m: int32 [E_l] valid rows per expert slice (batched layout), None: every row;
+    use_ue8m0: the layer's scale rounding (PrepareAndFinalize.use_ue8m0)."""
     if takes_triton(h):
-        silu_and_mul_quant_fp8_triton(h, out_q, out_s, masked_m, False)
+        silu_and_mul_quant_fp8_triton(h, out_q, out_s, masked_m, use_ue8m0)
     else:
-        silu_and_mul_quant_fp8(h, out_q=out_q, out_s=out_s, expert_num_tokens=masked_m)
+        silu_and_mul_quant_fp8(h, out_q=out_q, out_s=out_s, expert_num_tokens=masked_m,
+                               use_ue8m0=use_ue8m0)
 
 
 def unpermute_reduce(y, dest, topk_weights, out) -> None:

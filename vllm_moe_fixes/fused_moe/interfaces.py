@@ -67,11 +67,18 @@ class PrepareAndFinalize(ABC):
     output directly, and finalize receives that same tensor.
     defer_input_quant: True when prepare hands the experts a1 unquantised (a1q bf16, a1q_scale
     None), for experts that quantise it themselves (`Experts.takes_unquantized_input`).
+    use_ue8m0: the layer's activation scales, the one decision for every activation quant of a
+    layer call: False, exact float32 scales (amax / 448); True, each rounded up to a power of
+    two (UE8M0 values, still float32: what vLLM's quant does where DeepGEMM's E8M0 recipe is on,
+    vllm.utils.deep_gemm.is_deep_gemm_e8m0_used()). prepare's quant (or the dispatch's FP8 cast)
+    follows it, and the kernel passes it to the experts' apply, whose quants (a deferred input's,
+    SiLU-and-mul's requant) follow it too.
     """
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
     passes_reduced_output_through: bool = False
     defer_input_quant: bool = False
+    use_ue8m0: bool = False
 
     @abstractmethod
     def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -149,7 +156,9 @@ class Experts(ABC):
     takes_unquantized_input: True when apply also takes a1q bf16 [M, K] with a1q_scale None and
     quantises it itself (the pairing of a prepare/finalize with defer_input_quant). Under
     torch.compile an apply decorated with `one_op_when_compiled` (end of this module) is one
-    opaque op in the graph.
+    opaque op in the graph. apply's keyword use_ue8m0 is the prepare/finalize's (the kernel
+    passes it to an apply that takes it, and refuses experts whose apply does not take it with a
+    prepare/finalize that sets it).
     """
 
     activation_format: ActivationFormat = ActivationFormat.STANDARD
@@ -176,7 +185,8 @@ class Experts(ABC):
               topk_ids: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
               expert_num_tokens: torch.Tensor | None = None,
               topk_weights: torch.Tensor | None = None, expected_m: int | None = None,
-              tokens_per_pass: int | None = None, activation: str = "silu") -> None:
+              tokens_per_pass: int | None = None, activation: str = "silu",
+              use_ue8m0: bool = False) -> None:
         """Write output (out_shape, bf16): a view of the start of workspace13's storage, or the
         layer's output when the experts reduce and finalize passes it through.
 
@@ -187,8 +197,10 @@ class Experts(ABC):
         expert_num_tokens int32 [E_l] (BATCHED); topk_weights float32 [M', k] to weight the slots
         by when the experts reduce (None: plain sum, the weights went on the input); expected_m:
         average rows per local expert the dispatch can produce (BATCHED tiling hint), None =
-        unknown; tokens_per_pass: workspace_shapes' (None = one pass); activation "silu".
-        STANDARD: slots of non-local experts contribute exact zeros.
+        unknown; tokens_per_pass: workspace_shapes' (None = one pass); activation "silu";
+        use_ue8m0: the scales of the activation quants apply computes, rounded up to powers of
+        two (PrepareAndFinalize.use_ue8m0). STANDARD: slots of non-local experts contribute exact
+        zeros.
         """
 
 
@@ -226,18 +238,19 @@ def _experts_apply(experts: str, output: torch.Tensor, a1q: torch.Tensor,
                    workspace2: torch.Tensor, topk_ids: torch.Tensor | None,
                    expert_map: torch.Tensor | None, expert_num_tokens: torch.Tensor | None,
                    topk_weights: torch.Tensor | None, expected_m: int | None,
-                   tokens_per_pass: int | None, activation: str) -> None:
+                   tokens_per_pass: int | None, activation: str, use_ue8m0: bool) -> None:
     _experts_named(experts).apply(
         output, a1q, a1q_scale, Fp8MoEWeights(w1, w1_scale, w2, w2_scale),
         workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
         expert_map=expert_map, expert_num_tokens=expert_num_tokens, topk_weights=topk_weights,
-        expected_m=expected_m, tokens_per_pass=tokens_per_pass, activation=activation)
+        expected_m=expected_m, tokens_per_pass=tokens_per_pass, activation=activation,
+        use_ue8m0=use_ue8m0)
 
 
 @_experts_apply.register_fake
 def _(experts, output, a1q, a1q_scale, w1, w1_scale, w2, w2_scale, workspace13, workspace2,
       topk_ids, expert_map, expert_num_tokens, topk_weights, expected_m, tokens_per_pass,
-      activation) -> None:
+      activation, use_ue8m0) -> None:
     return None  # writes its mutable arguments only
 
 
@@ -249,11 +262,13 @@ def one_op_when_compiled(apply):
     @functools.wraps(apply)
     def apply_or_op(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2,
                     topk_ids=None, expert_map=None, expert_num_tokens=None, topk_weights=None,
-                    expected_m=None, tokens_per_pass=None, activation="silu") -> None:
+                    expected_m=None, tokens_per_pass=None, activation="silu",
+                    use_ue8m0=False) -> None:
         arguments = dict(workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
                          expert_map=expert_map, expert_num_tokens=expert_num_tokens,
                          topk_weights=topk_weights, expected_m=expected_m,
-                         tokens_per_pass=tokens_per_pass, activation=activation)
+                         tokens_per_pass=tokens_per_pass, activation=activation,
+                         use_ue8m0=use_ue8m0)
         if not torch.compiler.is_compiling():
             apply(self, output, a1q, a1q_scale, weights, **arguments)
             return

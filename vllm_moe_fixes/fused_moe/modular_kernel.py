@@ -78,9 +78,11 @@ class FusedMoEModularKernel:
         experts: an Experts of the same activation_format.
         workspaces: a Workspaces to share between layers; default: one owned by this kernel.
 
-    Raises ValueError for a pair of different activation formats, and for reducing experts with
+    Raises ValueError for a pair of different activation formats, for reducing experts with
     a prepare/finalize whose finalize does not take output_is_reduced (see
-    PrepareAndFinalize.finalize).
+    PrepareAndFinalize.finalize), and for a prepare/finalize with use_ue8m0 (its activation
+    scales rounded to powers of two, for every quant of the layer) with experts whose apply does
+    not take that keyword.
     """
 
     def __init__(self, prepare_finalize: PrepareAndFinalize, experts: Experts,
@@ -104,7 +106,18 @@ class FusedMoEModularKernel:
                 f"{type(prepare_finalize).__name__} defers the input quant "
                 f"(defer_input_quant=True) but {type(experts).__name__} takes quantised input: "
                 "build the prepare/finalize with defer_input_quant=False")
-        self._finalize_takes_reduced = _takes_output_is_reduced(prepare_finalize)
+        self._finalize_takes_reduced = _takes_keyword(prepare_finalize.finalize,
+                                                      "output_is_reduced")
+        # The layer's scale rounding (PrepareAndFinalize.use_ue8m0) reaches the experts' quants
+        # through apply's keyword; experts written before it get no keyword, so they must not be
+        # paired with a prepare/finalize that rounds.
+        self._experts_take_ue8m0 = _takes_keyword(experts.apply, "use_ue8m0")
+        if prepare_finalize.use_ue8m0 and not self._experts_take_ue8m0:
+            raise ValueError(
+                f"{type(prepare_finalize).__name__} rounds activation scales to powers of two "
+                f"(use_ue8m0=True) but {type(experts).__name__}.apply does not take the keyword "
+                "use_ue8m0, so its own quants would not follow: add `use_ue8m0: bool = False` to "
+                "its signature, or build the prepare/finalize with use_ue8m0=False")
         if experts.reduces_output and not self._finalize_takes_reduced:
             raise ValueError(
                 f"{type(experts).__name__} reduces its output, but "
@@ -277,11 +290,13 @@ class FusedMoEModularKernel:
         if fused_out is None:
             fused_out = output
         if rows > 0:  # rows == 0: out_shape has a zero dimension, fused_out is empty
+            scales = {"use_ue8m0": pf.use_ue8m0} if self._experts_take_ue8m0 else {}
             experts.apply(fused_out, prep.a1q, prep.a1q_scale, weights, topk_ids=topk_ids,
                           expert_map=call.expert_map, workspace13=ws13, workspace2=ws2,
                           expert_num_tokens=prep.expert_num_tokens,
                           topk_weights=None if on_input else topk_weights,
-                          expected_m=expected_m, tokens_per_pass=call.tokens_per_pass)
+                          expected_m=expected_m, tokens_per_pass=call.tokens_per_pass,
+                          **scales)
         if self._finalize_takes_reduced:
             pf.finalize(output, fused_out, topk_weights, topk_ids, on_input,
                         output_is_reduced=reduced)
@@ -332,9 +347,8 @@ def _experts_output_view(ws13: torch.Tensor, ws2: torch.Tensor, out_shape: tuple
     return ws13.view(-1)[:math.prod(out_shape)].view(out_shape)
 
 
-def _takes_output_is_reduced(prepare_finalize: PrepareAndFinalize) -> bool:
-    """Whether prepare_finalize.finalize accepts the keyword output_is_reduced (by name or
-    through **kwargs)."""
-    params = inspect.signature(prepare_finalize.finalize).parameters.values()
-    return any(p.name == "output_is_reduced" and p.kind != p.POSITIONAL_ONLY
+def _takes_keyword(method, name: str) -> bool:
+    """Whether method accepts the keyword `name` (by name or through **kwargs)."""
+    params = inspect.signature(method).parameters.values()
+    return any(p.name == name and p.kind != p.POSITIONAL_ONLY
                or p.kind == p.VAR_KEYWORD for p in params)

@@ -28,6 +28,8 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
     experts): prepare returns a1q = a1 itself (bf16, weighted as above) and a1q_scale None, and the
     experts quantise it where they permute it (one kernel instead of two, the same bits). Not
     while torch.compile traces: the experts' op there takes a scale tensor.
+    use_ue8m0=True: every activation quant of the layer rounds its scales up to powers of two
+    (PrepareAndFinalize.use_ue8m0): this quant, and the experts' through the kernel.
     finalize: an output the experts reduced is already the layer's output
     (passes_reduced_output_through; copied only if it is another tensor); an unreduced
     [M, k, K] is summed over the k slots times topk_weights (weights unless they were applied on
@@ -37,8 +39,11 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
     activation_format = ActivationFormat.STANDARD
     passes_reduced_output_through = True
 
-    def __init__(self, *, defer_input_quant: bool = False) -> None:
+    def __init__(self, *, defer_input_quant: bool = False, use_ue8m0: bool = False) -> None:
+        if not isinstance(use_ue8m0, bool):
+            raise ValueError(f"use_ue8m0 must be a bool, got {use_ue8m0!r}")
         self.defer_input_quant = defer_input_quant
+        self.use_ue8m0 = use_ue8m0
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:
@@ -47,7 +52,8 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
         if self.defer_input_quant and not torch.compiler.is_compiling():
             return PrepareResult(a1q=a1, a1q_scale=None)
         if not a1.is_cuda:
-            a1q, a1q_scale = per_token_group_quant_fp8(a1, SCALE_BLOCK)
+            a1q, a1q_scale = per_token_group_quant_fp8(a1, SCALE_BLOCK,
+                                                       use_ue8m0=self.use_ue8m0)
             return PrepareResult(a1q=a1q, a1q_scale=a1q_scale)
         # The public op's launch without its argument checks (the modular kernel has validated
         # a1: bf16 [M, K] with contiguous channels, K a multiple of 128): the same kernel and
@@ -55,7 +61,8 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
         M, K = a1.shape
         a1q = torch.empty((M, K), dtype=FP8_DTYPE, device=a1.device)
         a1q_scale = torch.empty((M, K // SCALE_BLOCK), dtype=torch.float32, device=a1.device)
-        per_token_group_quant_fp8_triton(a1, a1q, a1q_scale, SCALE_BLOCK, QUANT_EPS, False)
+        per_token_group_quant_fp8_triton(a1, a1q, a1q_scale, SCALE_BLOCK, QUANT_EPS,
+                                         self.use_ue8m0)
         return PrepareResult(a1q=a1q, a1q_scale=a1q_scale)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,

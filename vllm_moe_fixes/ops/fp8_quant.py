@@ -330,18 +330,20 @@ def per_token_group_quant_fp8(
 
 
 def quant_batched_fp8(x: torch.Tensor, out_q: torch.Tensor | None = None,
-                      out_s: torch.Tensor | None = None):
+                      out_s: torch.Tensor | None = None, *, use_ue8m0: bool = False):
     """bf16 [E, T, K] -> (fp8 [E, T, K], float32 scales [E, T, K/128] with strides
     (T*K/128, 1, T): MN-major per expert, DeepEP's low-latency layout). 1x128 groups, every row.
 
     out_q: fp8 [E, T, K] contiguous, out_s: float32 [E, T, K/128] with those strides; each
-    allocated when None. The quant kernel takes 2-D scale strides over the E*T flattened rows, and
-    per-expert MN-major (row e*T + t, group g at e*T*G + g*T + t) is not of that form, so the
-    scales are written row-major first and copied (E*T*K/32 bytes).
+    allocated when None; use_ue8m0 as per_token_group_quant_fp8's. The quant kernel takes 2-D
+    scale strides over the E*T flattened rows, and per-expert MN-major (row e*T + t, group g at
+    e*T*G + g*T + t) is not of that form, so the scales are written row-major first and copied
+    (E*T*K/32 bytes).
     """
     e, t, k = x.shape
     q, s = per_token_group_quant_fp8(x.reshape(e * t, k), SCALE_BLOCK,
-                                     out_q=None if out_q is None else out_q.view(e * t, k))
+                                     out_q=None if out_q is None else out_q.view(e * t, k),
+                                     use_ue8m0=use_ue8m0)
     if out_s is None:
         out_s = empty_mn_major_scales((e, t, k // SCALE_BLOCK), x.device, tma_aligned=False)
     out_s.copy_(s.view(e, t, k // SCALE_BLOCK))

@@ -3,7 +3,8 @@ experts otherwise run two (per_token_group_quant_fp8 into [M, K], then permute_r
 [M_sum, K]).
 
 Each token row is read once, quantised per 1x128 group by the quant kernel's own arithmetic
-(fp8_quant.quantize_groups: the same float32 steps, hence the same bits), and its FP8 bytes and
+(fp8_quant.quantize_groups: the same float32 steps, hence the same bits; exact scales, or with
+use_ue8m0 scales rounded up to powers of two, as the quant's option), and its FP8 bytes and
 scales are stored at every row its k slots were given (layout.dest; a slot with dest -1 has no
 row). Rows no slot fills (layout.src_row -1: each segment's padding and the tail after the last
 one) are written as zeros, values and scales, as permute_rows writes them. So the result is
@@ -55,7 +56,7 @@ def _quant_permute_kernel(x_ptr, dest_ptr, src_ptr, q_ptr, s_ptr, M, num_groups,
                           n_token_programs, G_BLOCKS, TOPK: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                           BLOCK_G: tl.constexpr, PAD_ROWS: tl.constexpr, PAD_COLS: tl.constexpr,
-                          ROUND_IN_FP32: tl.constexpr):
+                          UE8M0: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_token_programs:
         # Block row i holds group (i % GROUPS_PER_PROG) of tile row (i // GROUPS_PER_PROG).
@@ -66,7 +67,7 @@ def _quant_permute_kernel(x_ptr, dest_ptr, src_ptr, q_ptr, s_ptr, M, num_groups,
         cols = tl.arange(0, GROUP)
         x = tl.load(x_ptr + (rows * x_row_stride + groups * GROUP)[:, None] + cols[None, :],
                     mask=valid[:, None], other=0.0).to(tl.float32)
-        q, scale = quantize_groups(x, eps, False, ROUND_IN_FP32)
+        q, scale = quantize_groups(x, eps, UE8M0, ROUND_IN_FP32)
         q = q.to(q_ptr.dtype.element_ty)
         for j in tl.static_range(TOPK):
             d = tl.load(dest_ptr + rows * TOPK + j, mask=valid, other=-1).to(tl.int64)
@@ -94,7 +95,8 @@ def _quant_permute_kernel(x_ptr, dest_ptr, src_ptr, q_ptr, s_ptr, M, num_groups,
 
 
 def quant_permute_triton(x: torch.Tensor, layout: ContiguousLayout, out_q: torch.Tensor,
-                         out_s: torch.Tensor, *, round_in_fp32: bool = INTERPRETING) -> None:
+                         out_s: torch.Tensor, use_ue8m0: bool = False, *,
+                         round_in_fp32: bool = INTERPRETING) -> None:
     """Launch `_quant_permute_kernel` on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1;
     same arguments as `quant_permute`). The token tile is the quant kernel's (fp8_quant's
     QUANT_* sizes, its small-M tile below QUANT_BLOCK_M rows); round_in_fp32 as there."""
@@ -114,7 +116,7 @@ def quant_permute_triton(x: torch.Tensor, layout: ContiguousLayout, out_q: torch
             (x, layout.dest, layout.src_row, out_q, out_s),
             (M, num_groups, m_sum, x.stride(0), out_q.stride(0), out_s.stride(0),
              out_s.stride(1), QUANT_EPS, n_token_programs, g_blocks, topk, SCALE_BLOCK, block_m,
-             groups_per_prog, next_power_of_2(num_groups), PAD_ROWS, PAD_COLS,
+             groups_per_prog, next_power_of_2(num_groups), PAD_ROWS, PAD_COLS, bool(use_ue8m0),
              bool(round_in_fp32)))
 
 
@@ -122,14 +124,14 @@ _launch = KernelLauncher(_quant_permute_kernel)
 
 
 def quant_permute_ref(x: torch.Tensor, layout: ContiguousLayout, out_q: torch.Tensor,
-                      out_s: torch.Tensor) -> None:
+                      out_s: torch.Tensor, use_ue8m0: bool = False) -> None:
     """Torch reference of `quant_permute`: the quant's reference, then permute_rows'."""
-    q, s = per_token_group_quant_fp8_ref(x, SCALE_BLOCK, QUANT_EPS, False)
+    q, s = per_token_group_quant_fp8_ref(x, SCALE_BLOCK, QUANT_EPS, use_ue8m0)
     permute_rows_ref(q, s, layout, out_q, out_s)
 
 
 def quant_permute(x: torch.Tensor, layout: ContiguousLayout, out_q: torch.Tensor,
-                  out_s: torch.Tensor) -> None:
+                  out_s: torch.Tensor, *, use_ue8m0: bool = False) -> None:
     """Quantise x per 1x128 group into the contiguous layout's rows (module docstring).
 
     Args:
@@ -139,9 +141,11 @@ def quant_permute(x: torch.Tensor, layout: ContiguousLayout, out_q: torch.Tensor
         out_q: float8_e4m3fn [M_sum, K], rows contiguous (written; padding rows exact zeros).
         out_s: float32 [M_sum, K/128], any strides (the experts pass (1, M_sum), MN-major);
             written, padding rows 0.
+        use_ue8m0: round every scale up to a power of two, as per_token_group_quant_fp8 does.
 
-    The same bits as per_token_group_quant_fp8(x) followed by permute_rows(...). One Triton
-    kernel on CUDA (`quant_permute_triton`), the torch reference elsewhere.
+    The same bits as per_token_group_quant_fp8(x, use_ue8m0=use_ue8m0) followed by
+    permute_rows(...). One Triton kernel on CUDA (`quant_permute_triton`), the torch reference
+    elsewhere.
     """
     _check(x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1,
            f"x must be bfloat16 [M, K] with contiguous rows, got {x.dtype} {tuple(x.shape)} "
@@ -154,7 +158,8 @@ def quant_permute(x: torch.Tensor, layout: ContiguousLayout, out_q: torch.Tensor
     check_permuted_outputs(out_q, out_s, m_sum, K)
     devices = {t.device for t in (x, out_q, out_s, layout.src_row, layout.dest)}
     _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    _check(isinstance(use_ue8m0, bool), f"use_ue8m0 must be a bool, got {use_ue8m0!r}")
     if x.is_cuda:
-        quant_permute_triton(x, layout, out_q, out_s)
+        quant_permute_triton(x, layout, out_q, out_s, use_ue8m0)
     else:
-        quant_permute_ref(x, layout, out_q, out_s)
+        quant_permute_ref(x, layout, out_q, out_s, use_ue8m0)

@@ -54,6 +54,7 @@ from vllm_moe_fixes.integrations.vllm.support import (
     parallel_config_problem,
     quant_config_problem,
     sizes_problem,
+    vllm_rounds_scales_to_ue8m0,
 )
 from vllm_moe_fixes.sizes import expected_rows_per_expert
 
@@ -94,6 +95,9 @@ class VllmExperts(mk.FusedMoEExpertsModular):
             raise ValueError(f"{type(self).__name__} serves block-FP8 128x128 SiLU-and-mul "
                              f"layers: {problem}")
         self.experts = self._ours()
+        # vLLM's experts requantise SiLU-and-mul's output with power-of-two scales where vLLM's
+        # E8M0 decision holds (support.vllm_rounds_scales_to_ue8m0): ours follow it.
+        self.use_ue8m0 = vllm_rounds_scales_to_ue8m0()
         self._weights = None  # the Fp8MoEWeights last checked (one layer: one pair, checked once)
         self._own_workspaces = None  # where vLLM's are on another device than the inputs
         self._shapes = {}  # workspace_shapes' answers by (M, N, K, topk, E_l, tokens per pass)
@@ -269,7 +273,7 @@ class _ContiguousExperts(VllmExperts):
                            workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
                            expert_map=expert_map,
                            topk_weights=None if apply_router_weight_on_input else topk_weights,
-                           tokens_per_pass=tokens_per_pass)
+                           tokens_per_pass=tokens_per_pass, use_ue8m0=self.use_ue8m0)
 
 
 class _BatchedExperts(VllmExperts):
@@ -297,7 +301,8 @@ class _BatchedExperts(VllmExperts):
         self.experts.apply(output, hidden_states, a1q_scale, weights,
                            workspace13=workspace13, workspace2=workspace2,
                            expert_num_tokens=expert_tokens_meta.expert_num_tokens,
-                           expected_m=expected_m, tokens_per_pass=tokens_per_pass)
+                           expected_m=expected_m, tokens_per_pass=tokens_per_pass,
+                           use_ue8m0=self.use_ue8m0)
 
 
 class VllmTritonExperts(_ContiguousExperts):

@@ -19,6 +19,11 @@ vLLM's conventions that differ from ours, translated here:
   layer's expert_map maps to -1. Ours mean the same with -1.
 - ``ExpertTokensMetadata`` is built directly (its ``make_from_list`` pins host memory, which
   fails without an accelerator).
+- Activation scales: vLLM's prepare/finalizes quantise with power-of-two scales where
+  ``is_deep_gemm_e8m0_used()`` holds (support.vllm_rounds_scales_to_ue8m0); the one-rank,
+  high-throughput and V2 adapters build ours with that use_ue8m0. The low-latency dispatch's
+  cast keeps exact scales, as vLLM's own does (it rounds there only for experts that take packed
+  UE8M0 scales, Blackwell's DeepGEMM, none of ours).
 
 Quantisation parameters come in ``quant_config``; a configuration other than block FP8 128x128 with
 dynamic 1x128 activations raises ValueError naming what differs. Not served, and refused by
@@ -51,6 +56,7 @@ from vllm_moe_fixes.integrations.vllm.support import (
     check_deepep_buffer,
     check_no_routing_tables,
     quant_config_problem,
+    vllm_rounds_scales_to_ue8m0,
 )
 from vllm_moe_fixes.ops import SCALE_BLOCK
 from vllm_moe_fixes.sizes import cdiv
@@ -138,7 +144,7 @@ class VllmNoEPPrepareAndFinalize(_StandardAdapter):
     when the experts reduced into the layer's output)."""
 
     def __init__(self) -> None:
-        super().__init__(NoEPPrepareAndFinalize())
+        super().__init__(NoEPPrepareAndFinalize(use_ue8m0=vllm_rounds_scales_to_ue8m0()))
 
     @classmethod
     def for_vllm_layer(cls, moe_config, buffer, **wiring):
@@ -236,7 +242,8 @@ class VllmDeepEPHTPrepareAndFinalize(_StandardDispatchAdapter):
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int, hidden: int,
                  num_experts: int) -> None:
         super().__init__(DeepEPHTPrepareAndFinalize(
-            buffer, num_dispatchers=num_dispatchers, rank_expert_offset=rank_expert_offset))
+            buffer, num_dispatchers=num_dispatchers, rank_expert_offset=rank_expert_offset,
+            use_ue8m0=vllm_rounds_scales_to_ue8m0()))
         check_deepep_buffer(buffer, low_latency=False, num_ranks=num_dispatchers, hidden=hidden,
                             num_experts=num_experts)
 
@@ -270,7 +277,7 @@ class VllmDeepEPV2PrepareAndFinalize(_StandardDispatchAdapter):
         super().__init__(DeepEPV2PrepareAndFinalize(
             buffer, num_dispatchers=num_dispatchers, rank_expert_offset=rank_expert_offset,
             max_tokens_per_rank=max_tokens_per_rank, do_cpu_sync=do_cpu_sync,
-            topk_idx_dtype=topk_idx_dtype))
+            topk_idx_dtype=topk_idx_dtype, use_ue8m0=vllm_rounds_scales_to_ue8m0()))
 
     @classmethod
     def for_vllm_layer(cls, moe_config, buffer, **wiring):
@@ -280,7 +287,8 @@ class VllmDeepEPV2PrepareAndFinalize(_StandardDispatchAdapter):
 
 class VllmDeepEPLLPrepareAndFinalize(_VllmPrepareAndFinalize):
     """``DeepEPLLPrepareAndFinalize`` for vLLM over vLLM's low-latency DeepEP buffer; batched
-    layout [E_l, R*N, K]; FP8 dispatch (DeepEP's cast, 1x128 groups).
+    layout [E_l, R*N, K]; FP8 dispatch (DeepEP's cast, 1x128 groups, exact scales as in vLLM's
+    own low-latency prepare for our experts: module docstring).
 
     Arguments:
         buffer: the low-latency ``deep_ep.Buffer`` of vLLM's all2all manager (or a

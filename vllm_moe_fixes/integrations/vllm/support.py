@@ -24,6 +24,7 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEParallelConfig,
     FusedMoEQuantConfig,
 )
+from vllm.utils import deep_gemm as vllm_deep_gemm
 
 from vllm_moe_fixes.distributed.deepep_sizing import (
     check_high_throughput_config,
@@ -33,6 +34,18 @@ from vllm_moe_fixes.integrations.vllm import data_parallel
 from vllm_moe_fixes.ops import FP8_DTYPE, SCALE_BLOCK
 
 BLOCK_SHAPE = [SCALE_BLOCK, SCALE_BLOCK]
+
+
+def vllm_rounds_scales_to_ue8m0() -> bool:
+    """vLLM's decision whether its block-FP8 MoE rounds activation scales up to powers of two:
+    ``is_deep_gemm_e8m0_used()`` (VLLM_USE_DEEP_GEMM_E8M0, on by default, where DeepGEMM and its
+    E8M0 GEMM are usable on a Hopper or Blackwell GPU). vLLM's per_token_group_quant_fp8 takes
+    it as its default, so the quant of its prepare/finalizes (one rank, DeepEP high-throughput
+    and V2: moe_kernel_quantize_input) and its Triton experts' requant follow it; its DeepGEMM
+    experts read the same condition (DeepGemmQuantScaleFMT: FLOAT32_CEIL_UE8M0 on Hopper). The
+    adapters read it here, when they are built, and set the library's use_ue8m0 where vLLM's
+    own classes would round (prepare_finalize.py, experts.py)."""
+    return bool(vllm_deep_gemm.is_deep_gemm_e8m0_used())
 
 
 def quant_config_problem(quant_config: FusedMoEQuantConfig | None) -> str | None:
