@@ -68,6 +68,7 @@ SWEEP = [
     _cfg(64, 256, 8, 3, 32, SCALE_PREFETCH=True),             # 181: 1
     _cfg(64, 128, 8, 3, 32, SCALE_PREFETCH=True),             # 93: 2
     _cfg(64, 64, 4, 3, 32, SCALE_PREFETCH=True),              # 92: 4 (shared memory)
+    _cfg(64, 128, 4, 2, 32, SCALE_PREFETCH=True),             # 3, more L1 left
     _cfg(64, 128, 4, 3, 32, SCALE_PREFETCH=True, WARP_SPECIALIZE=True),
 ]
 
