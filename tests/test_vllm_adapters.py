@@ -140,6 +140,50 @@ def test_expert_map_and_router_weight_on_input_equal_ours():
         assert torch.equal(out, ours)
 
 
+def test_one_rank_adapter_leaves_the_input_quant_to_our_contiguous_experts():
+    """Built into vLLM's kernel with our contiguous experts, the one-rank adapter defers the
+    quant (they ask for bf16 input through expects_unquantized_inputs, vLLM passes that to
+    prepare): prepare hands a1 on, no scales, and the layer's output keeps its bits. Paired
+    with other experts it quantises, and a defer_input_quant that disagrees with it is
+    refused."""
+    M, E, k = 11, 8, 2
+    w, x, tw, ti = problem(M, E, k, seed=21)
+    qc = block_quant_config(w)
+    kernel = vllm_kernel(w, E, k)
+    pf, ex = kernel.prepare_finalize, kernel.fused_experts
+    assert ex.expects_unquantized_inputs and pf.ours.defer_input_quant
+    a1q, a1q_scale, *rest = pf.prepare(x, tw, ti, E, None, False, qc, True)
+    assert a1q is x and a1q_scale is None and rest == [None, None, None]
+    with pytest.raises(ValueError, match="defer_input_quant=False.*leaves the input quant"):
+        pf.prepare(x, tw, ti, E, None, False, qc, False)
+    out = kernel.apply(x, w.w1, w.w2, tw, ti, MoEActivation.SILU, E, None, False)
+    ours = FusedMoEModularKernel(our_no_ep(), TritonExperts())(
+        x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale, global_num_experts=E)
+    assert out.abs().sum() > 0 and torch.equal(out, ours)
+    # experts that take FP8 input only (ours batched; vLLM's own) leave the quant to prepare
+    other = VllmNoEPPrepareAndFinalize()
+    batched = VllmBatchedTritonExperts(moe_config(E, k), qc, max_num_tokens=16,
+                                       num_dispatchers=1)
+    for experts in (batched, object()):
+        other.post_init_setup(experts)
+        assert not other.ours.defer_input_quant
+    assert not batched.expects_unquantized_inputs
+    a1q, a1q_scale, *_ = other.prepare(x, tw, ti, E, None, False, qc, False)
+    assert a1q.dtype == torch.float8_e4m3fn and a1q_scale.shape == (M, K // 128)
+
+
+def test_moe_problem_size_is_vllms():
+    """The standard-layout experts' moe_problem_size answers what vLLM's generic one does, and
+    refuses ids with another row count than a1."""
+    M, E, k = 7, 8, 3
+    w, x, tw, ti = problem(M, E, k, seed=4)
+    ex = VllmTritonExperts(moe_config(E, k), block_quant_config(w))
+    want = mk.FusedMoEExpertsModular.moe_problem_size(ex, x, w.w1, w.w2, ti)
+    assert ex.moe_problem_size(x, w.w1, w.w2, ti) == want == (E, M, 2 * I, K, k)
+    with pytest.raises(ValueError, match="a row per token"):
+        ex.moe_problem_size(x, w.w1, w.w2, ti[:-1])
+
+
 def test_workspace_shapes_take_vllms_n_as_2i():
     w, *_ = problem(4, 8, 2, seed=0)
     ex = VllmTritonExperts(moe_config(8, 2), block_quant_config(w))

@@ -84,6 +84,12 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     _needs_deep_gemm: bool = False
     _pending_tokens_per_pass: int | None = None  # workspace_shapes reads it, apply takes it
     _MAX_CACHED = 64  # workspace shapes and views remembered (vLLM's CUDA graph sizes: ~67)
+    # What vLLM's kernel reads on every call, as plain attributes instead of its properties:
+    # a2_scale is None (refused otherwise when built); the input comes quantised unless our
+    # prepare/finalize leaves the quant to these experts (VllmNoEPPrepareAndFinalize's
+    # post_init_setup sets True on the instance).
+    a2_scale = None
+    expects_unquantized_inputs = False
 
     def __init__(self, moe_config, quant_config, max_num_tokens=None,
                  num_dispatchers=None) -> None:
@@ -258,6 +264,17 @@ class _ContiguousExperts(VllmExperts):
     @staticmethod
     def activation_format() -> mk.FusedMoEActivationFormat:
         return mk.FusedMoEActivationFormat.Standard
+
+    def moe_problem_size(self, a1, w1, w2, topk_ids) -> tuple[int, int, int, int, int]:
+        """vLLM's (E_l, M, N = 2I, K, topk) of a standard-layout call: a1 [M, K], topk_ids
+        [M, topk], w1 [E_l, 2I, K] (checked once per weight set by apply), read from the shapes
+        once each (vLLM's generic one asks size() six times)."""
+        M, K = a1.shape
+        rows, topk = topk_ids.shape
+        if rows != M:
+            raise ValueError(f"topk_ids must have a row per token of a1 ({M}), got {rows}")
+        local_num_experts, N, _ = w1.shape
+        return local_num_experts, M, N, K, topk
 
     def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
         return _REDUCED_BY_EXPERTS

@@ -17,6 +17,9 @@ vLLM's conventions that differ from ours, translated here:
 - High-throughput and DeepEP V2 prepare return vLLM's ids: an id the dispatch marked -1
   (expert elsewhere) becomes a global id of another rank (E - 1 on rank 0, else 0), which the
   layer's expert_map maps to -1. Ours mean the same with -1.
+- The input quant: paired with our contiguous experts, the one-rank adapter leaves it to them
+  (``post_init_setup``): they ask for it through vLLM's ``expects_unquantized_inputs``, which
+  vLLM's kernel passes to prepare as ``defer_input_quant``, as in our own one-rank layer.
 - ``ExpertTokensMetadata`` is built directly (its ``make_from_list`` pins host memory, which
   fails without an accelerator).
 - Activation scales: vLLM's prepare/finalizes quantise with power-of-two scales where
@@ -52,6 +55,7 @@ from vllm_moe_fixes.fused_moe import (
     DeepEPV2PrepareAndFinalize,
     NoEPPrepareAndFinalize,
 )
+from vllm_moe_fixes.integrations.vllm.experts import VllmExperts
 from vllm_moe_fixes.integrations.vllm.support import (
     check_deepep_buffer,
     check_no_routing_tables,
@@ -92,17 +96,22 @@ class _VllmPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                               defer_input_quant: bool) -> None:
         """The quantisation once per quant_config object (vLLM builds it once per layer and
         passes the experts' own on every call), then what a call can change: the
-        defer_input_quant flag and a1, bfloat16 [M, K] with contiguous channels and K a multiple
-        of 128 (the quantisation launch on CUDA relies on it)."""
+        defer_input_quant flag (vLLM's kernel passes its experts' expects_unquantized_inputs:
+        it must be what ours does) and a1, bfloat16 [M, K] with contiguous channels and K a
+        multiple of 128 (the quantisation launch on CUDA relies on it)."""
         if quant_config is not self._checked_quant_config:
             problem = quant_config_problem(quant_config)
             if problem is not None:
                 raise ValueError(f"vllm_moe_fixes prepare/finalize serves block-FP8 128x128 "
                                  f"layers: {problem}")
             self._checked_quant_config = quant_config
-        if defer_input_quant:
-            raise ValueError("defer_input_quant=True: this prepare/finalize always quantises the "
-                             "input (pair it with experts that take FP8 activations)")
+        if defer_input_quant != self.ours.defer_input_quant:
+            raise ValueError(
+                f"defer_input_quant={defer_input_quant}: this prepare/finalize "
+                + ("leaves the input quant to its experts (post_init_setup paired it with our "
+                   "contiguous experts)" if self.ours.defer_input_quant else
+                   "always quantises the input (pair it with experts that take FP8 "
+                   "activations)"))
         if not (a1.dim() == 2 and a1.dtype == torch.bfloat16 and a1.shape[1] % SCALE_BLOCK == 0
                 and (a1.stride(1) == 1 or a1.shape[1] <= 1)):
             raise ValueError(f"a1 must be bfloat16 [M, K] with contiguous channels and K a "
@@ -151,6 +160,16 @@ class VllmNoEPPrepareAndFinalize(_StandardAdapter):
         """The adapter for the factory's wiring (no buffer, no arguments)."""
         return cls(**wiring)
 
+    def post_init_setup(self, fused_experts) -> None:
+        """vLLM's FusedMoEKernel hands over its experts when built. Our contiguous experts
+        quantise the input where they permute it (one kernel instead of prepare's quant and the
+        permute, the same bits), as in the one-rank layer make_moe_kernel builds: with them
+        prepare hands a1 on as it is, and they answer vLLM's expects_unquantized_inputs with
+        True, which vLLM's kernel passes to prepare as defer_input_quant."""
+        if isinstance(fused_experts, VllmExperts) and fused_experts.experts.takes_unquantized_input:
+            self.ours.defer_input_quant = True
+            fused_experts.expects_unquantized_inputs = True
+
     def topk_indices_dtype(self) -> torch.dtype | None:
         return None
 
@@ -159,7 +178,9 @@ class VllmNoEPPrepareAndFinalize(_StandardAdapter):
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input, quant_config, defer_input_quant=False):
-        """a1 bf16 [M, K] -> (a1q fp8 [M, K], a1q_scale f32 [M, K/128], None, None, None)."""
+        """a1 bf16 [M, K] -> (a1q fp8 [M, K], a1q_scale f32 [M, K/128], None, None, None), or
+        with defer_input_quant (post_init_setup) (a1 bf16 [M, K] (times the router weight with
+        apply_router_weight_on_input), None, None, None, None)."""
         self._check_prepare_inputs(a1, quant_config, defer_input_quant)
         res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
                                 apply_router_weight_on_input)
