@@ -172,6 +172,45 @@ def test_one_rank_adapter_leaves_the_input_quant_to_our_contiguous_experts():
     assert a1q.dtype == torch.float8_e4m3fn and a1q_scale.shape == (M, K // 128)
 
 
+def test_experts_caches_follow_new_weights_shapes_and_chunk_size(monkeypatch):
+    """What the experts adapter keeps between calls (the weights checked once per set, the
+    workspace shapes by size) follows a layer whose weights, scales or token count change, and a
+    new VLLM_FUSED_MOE_CHUNK_SIZE: each call equals our kernel on the same inputs."""
+    E, k = 8, 2
+    g = torch.Generator().manual_seed(31)
+    w = random_fp8_moe_weights(E, K, I, generator=g)
+    qc = block_quant_config(w)
+    ex = VllmTritonExperts(moe_config(E, k), qc)
+    kernel = mk.FusedMoEKernel(VllmNoEPPrepareAndFinalize(), ex)
+    ours = FusedMoEModularKernel(our_no_ep(), TritonExperts())
+
+    def check(w, M):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        tw, ti = fused_topk(torch.randn(M, E, generator=g), k, renormalize=True)
+        got = kernel.apply(x, w.w1, w.w2, tw, ti, MoEActivation.SILU, E, None, False)
+        want = ours(x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale,
+                    global_num_experts=E)
+        assert want.abs().sum() > 0 and torch.equal(got, want)
+
+    check(w, 9)
+    other = random_fp8_moe_weights(E, K, I, generator=g)  # new weights, the same scales
+    check(type(w)(other.w1, w.w1_scale, other.w2, w.w2_scale), 9)
+    # new scales in the quant config vLLM hands the experts (the weights it had before)
+    ex.quant_config = block_quant_config(other)
+    check(type(w)(w.w1, other.w1_scale, w.w2, other.w2_scale), 9)
+    with pytest.raises(ValueError, match="w1_scale"):  # scales checked again: a wrong shape
+        ex.quant_config = fp8_w8a8_moe_quant_config(
+            w1_scale=other.w1_scale[:, :1], w2_scale=other.w2_scale, block_shape=[128, 128])
+        check(type(w)(w.w1, other.w1_scale[:, :1], w.w2, other.w2_scale), 9)
+    ex.quant_config = qc
+    check(w, 30)  # another token count: other workspace shapes
+    assert len({shapes for shapes in ex._shapes.values()}) == 2
+    monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", "8")  # 30 tokens now in 4 passes
+    check(w, 30)
+    assert ex.workspace_shapes(30, 2 * I, K, k, E, E, None, MoEActivation.SILU) == \
+        TritonExperts().workspace_shapes(30, I, K, k, E, tokens_per_pass=8)
+
+
 def test_moe_problem_size_is_vllms():
     """The standard-layout experts' moe_problem_size answers what vLLM's generic one does, and
     refuses ids with another row count than a1."""
