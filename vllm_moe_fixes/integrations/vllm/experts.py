@@ -101,8 +101,9 @@ class VllmExperts(mk.FusedMoEExpertsModular):
             raise ValueError(f"{type(self).__name__} serves block-FP8 128x128 SiLU-and-mul "
                              f"layers: {problem}")
         self.experts = self._ours()
-        # vLLM's experts requantise SiLU-and-mul's output with power-of-two scales where vLLM's
-        # E8M0 decision holds (support.vllm_rounds_scales_to_ue8m0): ours follow it.
+        # vLLM's experts quantise activations (SiLU-and-mul's output, a deferred input) with
+        # power-of-two scales where vLLM's E8M0 decision holds
+        # (support.vllm_rounds_scales_to_ue8m0): ours follow it.
         self.use_ue8m0 = vllm_rounds_scales_to_ue8m0()
         self._weights = None  # the Fp8MoEWeights last checked (one layer: one pair, checked once)
         self._own_workspaces = None  # where vLLM's are on another device than the inputs
