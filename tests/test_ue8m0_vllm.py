@@ -16,6 +16,7 @@ from vllm.utils import deep_gemm as vllm_deep_gemm  # noqa: E402
 from test_ue8m0 import _RecordingBuffer  # noqa: E402
 from test_vllm_adapters import (  # noqa: E402
     block_quant_config,
+    init_workspace_manager,
     moe_config,
     problem,
     vllm_kernel,
@@ -34,6 +35,11 @@ from vllm_moe_fixes.integrations.vllm import (  # noqa: E402
     VllmTritonExperts,
 )
 from vllm_moe_fixes.integrations.vllm import prepare_finalize as pfs  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def workspace_manager():
+    init_workspace_manager()  # vLLM's kernel takes its workspaces there off the CPU platform
 
 
 @pytest.fixture(params=[False, True], ids=["vllm_exact", "vllm_e8m0"])
