@@ -23,8 +23,8 @@ still follow vLLM).
 With ``--ours-diagnose``, each assert_close of the first call also prints one ``DIAG`` line: the
 tolerance usage max|out - ref| / (atol + rtol |ref|) (> 1 fails) of our layer, and of the same
 layer with its GEMMs replaced by the FP8 GEMM promoting every 32 of K (IMPRECISE_ACC=32; both
-GEMMs: acc32, the first only: acc32_gemm1), by the exact block product (float64 per 128-K
-block, ``grouped_fp8_gemm_contiguous_ref``: exact), each with the layer's scales, and of our layer
+GEMMs: acc32, the first only: acc32_gemm1; every 64 of K, the first only: acc64_gemm1), by the
+exact block product (float64 per 128-K block, ``grouped_fp8_gemm_contiguous_ref``: exact), each with the layer's scales, and of our layer
 with the other scales (exact_scales where it follows vLLM's powers of two, else ue8m0), at
 K >= 4096. Each output is also kept as it was when its call returned: a DIAG value computed from
 an output that changed since (memory written after the call, by a later call) is marked
@@ -110,16 +110,17 @@ def _make_fused_experts(diagnose: bool, exact_scales: bool):
         if diagnose and a.shape[1] >= 4096:
             from vllm_moe_fixes.ops import grouped_gemm as gg
 
-            def promoting(hidden_only):
+            def promoting(every, hidden_only):
                 def launcher(a_, w_, o_, m_):
                     gemm1 = a_[0].shape[1] == a.shape[1]  # GEMM1 reads the hidden size
-                    cfg = dict(IMPRECISE_ACC=32) if gemm1 or not hidden_only else None
+                    cfg = dict(IMPRECISE_ACC=every) if gemm1 or not hidden_only else None
                     return gg.grouped_fp8_gemm_contiguous_triton(a_, w_, o_, m_, cfg)
                 return launcher
 
-            _VARIANTS["acc32"] = kept("acc32", _with_gemm(promoting(False), *args, use_ue8m0))
-            _VARIANTS["acc32_gemm1"] = kept("acc32_gemm1",
-                                            _with_gemm(promoting(True), *args, use_ue8m0))
+            for name, every, hidden_only in (("acc32", 32, False), ("acc32_gemm1", 32, True),
+                                             ("acc64_gemm1", 64, True)):
+                _VARIANTS[name] = kept(name, _with_gemm(promoting(every, hidden_only), *args,
+                                                        use_ue8m0))
             _VARIANTS["exact"] = kept("exact", _with_gemm(gg.grouped_fp8_gemm_contiguous_ref,
                                                           *args, use_ue8m0))
             other = "exact_scales" if use_ue8m0 else "ue8m0"
