@@ -28,6 +28,7 @@ from vllm_moe_fixes.fused_moe.routing import fused_topk
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, per_token_group_quant_fp8_ref
 from vllm_moe_fixes.ops.grouped_gemm import (
+    contiguous_config,
     default_config,
     grouped_fp8_gemm_contiguous_ref,
     grouped_fp8_gemm_contiguous_triton,
@@ -52,24 +53,12 @@ def _cfg(bm, bn, warps, stages, group_m, **flags):
                 **flags)
 
 
-# Candidates of --sweep: the default first (every other config must match its bits), then the
-# default's tile with the scales prefetched (SCALE_PREFETCH) and larger tiles with it. Shared
-# memory per stage is 24 KiB at 64x128, 32 KiB at 128x128, 40 KiB at 64x256 (228 KiB an SM); the
-# comments give registers per thread (triton 3.6, sm_90, compiled offline) and so the CTAs an SM
-# holds (65536 registers).
+# Candidates of --sweep: DEFAULT_CONFIG's tile with each GROUP_M that contiguous_config can pick
+# (the first one is the reference of the others' bits), and the nearest larger tile. The table of
+# the default (no config) shows what contiguous_config picked for each shape.
 SWEEP = [
-    _cfg(64, 128, 4, 3, 32),                                  # 160 regs: 3 CTAs
-    _cfg(64, 128, 4, 3, 32, SCALE_PREFETCH=True),             # 158: 3
-    _cfg(64, 128, 4, 3, 16, SCALE_PREFETCH=True),
-    _cfg(64, 128, 4, 4, 32, SCALE_PREFETCH=True),             # 2 (shared memory)
-    _cfg(128, 128, 8, 3, 32, SCALE_PREFETCH=True),            # 160: 1
-    _cfg(128, 128, 8, 3, 8, SCALE_PREFETCH=True),
-    _cfg(128, 128, 8, 4, 16, SCALE_PREFETCH=True),
-    _cfg(64, 256, 8, 3, 32, SCALE_PREFETCH=True),             # 181: 1
-    _cfg(64, 128, 8, 3, 32, SCALE_PREFETCH=True),             # 93: 2
-    _cfg(64, 64, 4, 3, 32, SCALE_PREFETCH=True),              # 92: 4 (shared memory)
-    _cfg(64, 128, 4, 2, 32, SCALE_PREFETCH=True),             # 3, more L1 left
-    _cfg(64, 128, 4, 3, 32, SCALE_PREFETCH=True, WARP_SPECIALIZE=True),
+    _cfg(64, 128, 4, 3, 32), _cfg(64, 128, 4, 3, 16), _cfg(64, 128, 4, 3, 8),
+    _cfg(64, 128, 4, 3, 4), _cfg(128, 128, 8, 4, 16),
 ]
 
 
@@ -85,7 +74,7 @@ def timed_us(fn) -> float:
 
 def config_name(cfg: dict) -> str:
     flags = (f" acc{cfg['IMPRECISE_ACC']}" if cfg.get("IMPRECISE_ACC") else "") + (
-        " ws" if cfg.get("WARP_SPECIALIZE") else "") + (" pf" if cfg.get("SCALE_PREFETCH") else "")
+        " ws" if cfg.get("WARP_SPECIALIZE") else "")
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} {cfg['num_warps']}w {cfg['num_stages']}s "
             f"g{cfg['GROUP_M']}{flags}")
 
@@ -122,7 +111,7 @@ def run_shape(shape, figure, sweep):
     out_m = out.view(groups, rows, N)
     masked_m = torch.full((groups,), rows, device="cuda", dtype=torch.int32)
     rec = dict(groups=groups, rows=rows, N=N, K=K, figure_deepgemm_tflops=figure,
-               config=default_config())
+               config=contiguous_config(M, groups), masked_config=default_config())
 
     ref = None
     if sweep:
@@ -194,11 +183,13 @@ def print_results(records):
     rows = []
     for r in records:
         t, d, fig = r["triton_tflops"], r["deepgemm_tflops"], r["figure_deepgemm_tflops"]
+        tm, dm = r["triton_masked_tflops"], r["deepgemm_masked_tflops"]
         rows.append({
             "groups x rows": f"{r['groups']} x {r['rows']}", "N": r["N"], "K": r["K"],
-            "triton": t, "masked": r["triton_masked_tflops"], "DeepGEMM": _dash(d),
+            "GROUP_M": r["config"]["GROUP_M"], "triton": t, "masked": tm, "DeepGEMM": _dash(d),
             "ratio": _dash(d and t / d), "DG v2.6.1": fig, "v2.6.1 ratio": t / fig,
-            "DG masked": _dash(r["deepgemm_masked_tflops"]), "_scaled_mm": r["scaled_mm_tflops"],
+            "DG masked": _dash(dm), "masked ratio": _dash(dm and tm / dm),
+            "_scaled_mm": r["scaled_mm_tflops"],
             "bf16": r["bf16_tflops"],
             "diff vs DG": _dash(r["diff_vs_deepgemm"] and f"{r['diff_vs_deepgemm']:.1e}"),
         })
@@ -206,8 +197,9 @@ def print_results(records):
           f"{triton.__version__}, torch {torch.__version__}, DeepGEMM "
           f"{'present' if dg.is_available() else 'absent'})")
     print_table(rows, list(rows[0]))
-    print("ratio = Triton / DeepGEMM (same run, target >= 0.85); v2.6.1 ratio = Triton / "
-          "DeepGEMM v2.6.1's TFLOP/s on an H200; _scaled_mm is tensorwise FP8 (a ceiling).")
+    print("ratio = Triton / DeepGEMM (same run, target >= 0.85), masked ratio the same for the "
+          "masked GEMMs; GROUP_M: contiguous_config's pick; v2.6.1 ratio = Triton / DeepGEMM "
+          "v2.6.1's TFLOP/s on an H200; _scaled_mm is tensorwise FP8 (a ceiling).")
 
 
 def _geomean(values):

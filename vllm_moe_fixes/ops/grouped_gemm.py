@@ -39,8 +39,8 @@ from vllm_moe_fixes.sizes import cdiv
 # Block configuration
 # ----------------------------------------------------------------------------------------------
 # A config is a dict with the keys of DEFAULT_CONFIG: BLOCK_M, BLOCK_N (tile), GROUP_M (M tiles
-# per L2 swizzle group), num_warps, num_stages, IMPRECISE_ACC, WARP_SPECIALIZE, SCALE_PREFETCH.
-# BLOCK_K is SCALE_BLOCK (one scale per K block).
+# per L2 swizzle group), num_warps, num_stages, IMPRECISE_ACC, WARP_SPECIALIZE. BLOCK_K is
+# SCALE_BLOCK (one scale per K block).
 #
 # IMPRECISE_ACC: how many K elements Hopper's FP8 tensor cores sum in their own accumulator before
 # the partial sum is added in float32. Their FP8 accumulator keeps only about 14 mantissa bits, and
@@ -52,16 +52,17 @@ from vllm_moe_fixes.sizes import cdiv
 # in 6.8% of elements, 64 in 4.3%, 32 in 2.6%, at 0.87 / 0.62 of the default's TFLOP/s
 # (benchmarks/results/grouped_gemm_accuracy.json, kernels_h200.log). Other GPUs and the
 # interpreter accumulate in float32 throughout and ignore it.
-# SCALE_PREFETCH: load each K block's activation and weight scales one block ahead (before the
-# previous block's dot), where otherwise their global loads wait for the dot to finish: triton 3.6
-# pipelines only the TMA operands of the K loop. Same values, same sums: bit-equal output.
 # WARP_SPECIALIZE: Triton's automatic warp specialisation of the K loop (producer / consumer
 # partitions; triton 3.6 implements it for Hopper). Measured at 4 x 8192, N 4096, K 7168: 888 vs
 # 892 TFLOP/s contiguous, 423 vs 899 masked, so it stays off.
 # Larger tiles do not pay here: 128x128 (8 warps, or 4 warps with the tile computed as two
 # 64-row halves, each with its own accumulator), 64x256 and 128x256 (two 128-column halves) ran
 # at 0.45-0.82 of the default on the bench shapes (contiguous; masked up to 0.99), with or without
-# warp specialisation (benchmarks/results/grouped_gemm_sweep_h200.log, two runs).
+# warp specialisation (benchmarks/results/grouped_gemm_sweep_h200.log, two runs). Unsplit, with
+# the scales of the next K block loaded before the dot, 128x128 8w, 64x256 8w, 64x128 8w and
+# 64x64 ran at 0.77-0.87 of the default, and the default's tile itself at 0.94-0.98: loading the
+# scales early costs more than their load latency, which the SM's other CTAs already hide
+# (grouped_gemm_config_h200.txt, Dec 2 12:55).
 # BLOCK_M must divide ROW_ALIGNMENT = 128 (a tile never spans two experts' segments); BLOCK_N is
 # a power of two up to 256 (a TMA box dimension; it then divides SCALE_BLOCK or is 256: a tile
 # never splits a weight-scale block).
@@ -78,7 +79,20 @@ from vllm_moe_fixes.sizes import cdiv
 # vs 0.982 / 0.977; grouped_gemm_sweep_h200.log). The masked kernel shares the main loop and the
 # TMA operand shapes, so it takes the same default.
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=32, num_warps=4, num_stages=3,
-                      IMPRECISE_ACC=0, WARP_SPECIALIZE=False, SCALE_PREFETCH=False)
+                      IMPRECISE_ACC=0, WARP_SPECIALIZE=False)
+# The contiguous kernel's swizzle groups run over the stacked rows of all experts, so with few rows
+# an expert a group of 32 M tiles spans several experts, whose W tiles it cannot share; the masked
+# grid has an axis per expert, so its groups never span two, and with the same tile and main loop
+# it ran faster at 256 rows an expert (5.6-7.7%) and 1024 (1.0-4.8%), not at 4096-8192 (H200,
+# four runs, Dec 2; grouped_gemm_config_h200.txt).
+# Where the caller names no GROUP_M, the contiguous kernel therefore takes a group of about one
+# expert's M tiles (rows // experts // BLOCK_M, down to a power of two, between _MIN_GROUP_M and
+# DEFAULT_CONFIG's): the masked kernel's tile order for equal experts. Only the order changes, so
+# the output bits do not. Sweeps with GROUP_M given: 8 x 1024 rows, 16 vs 32, 895.7 / 889.6 vs
+# 866.6 / 862.3 TFLOP/s (grouped_gemm_sweep_h200.log), but 815.9 vs 829.3 with prefetched scales
+# (grouped_gemm_sweep_prefetch_h200.log); 32 x 256 rows, 8 vs 16, 773.7 vs 759.6
+# (grouped_gemm_config_h200.txt); 4 had not run.
+_MIN_GROUP_M = 4
 
 
 def default_config() -> dict:
@@ -99,6 +113,17 @@ def _resolve_config(config: dict | None) -> dict:
         raise ValueError(f"config: BLOCK_N must be 16/32/64/128/256, got {cfg['BLOCK_N']}")
     if cfg["IMPRECISE_ACC"] not in (0, 32, 64, 128):
         raise ValueError(f"config: IMPRECISE_ACC must be 0/32/64/128, got {cfg['IMPRECISE_ACC']}")
+    return cfg
+
+
+def contiguous_config(rows: int, experts: int, config: dict | None = None) -> dict:
+    """The config the contiguous launcher runs for `rows` stacked rows of `experts` experts:
+    DEFAULT_CONFIG with `config`'s overrides, GROUP_M chosen per expert size unless given."""
+    cfg = _resolve_config(config)
+    if not (config and "GROUP_M" in config):
+        tiles = max(rows // max(experts, 1) // cfg["BLOCK_M"], 1)
+        cfg["GROUP_M"] = min(max(1 << (tiles.bit_length() - 1), _MIN_GROUP_M),
+                             DEFAULT_CONFIG["GROUP_M"])
     return cfg
 
 
@@ -197,7 +222,7 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
                       a_desc, w_desc, a_row, w_row,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
-                      WARP_SPECIALIZE: tl.constexpr, SCALE_PREFETCH: tl.constexpr):
+                      WARP_SPECIALIZE: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = sum over K blocks of dot(A_blk, W_blk^T) * a_s * w_s.
 
     `rows` / `cols` are int64 indices already clamped into range (no masks in the loop); scale
@@ -215,20 +240,7 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
     else:
         w_s_ptrs = w_s_ptr + (cols // BLOCK_K) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    num_kb = K // BLOCK_K
-    # SCALE_PREFETCH: the scales of K block kb + 1 are loaded before block kb's dot (carried
-    # through the loop), so their global-load latency overlaps the dot instead of following its
-    # wait; Triton's pipeliner stages only the TMA operands, not these loads.
-    if SCALE_PREFETCH:
-        a_s_next = tl.load(a_s_ptrs)
-        w_s_next = tl.load(w_s_ptrs)
-    for kb in tl.range(0, num_kb, warp_specialize=WARP_SPECIALIZE):
-        if SCALE_PREFETCH:
-            a_s = a_s_next
-            w_s = w_s_next
-            kb_next = tl.minimum(kb + 1, num_kb - 1)  # the last block loads its own again
-            a_s_next = tl.load(a_s_ptrs + kb_next * stride_ask)
-            w_s_next = tl.load(w_s_ptrs + kb_next * stride_wsk)
+    for kb in tl.range(0, K // BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         if TMA:
             a = a_desc.load([a_row, kb * BLOCK_K])
             w = w_desc.load([w_row, kb * BLOCK_K]).T
@@ -241,13 +253,11 @@ def _block_scaled_mma(a_ptr, a_s_ptr, w_ptr, w_s_ptr, rows, cols, K,
             part = tl.dot(a, w)
         else:
             part = tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_ACC)
-        if not SCALE_PREFETCH:
-            a_s = tl.load(a_s_ptrs + kb * stride_ask)
-            w_s = tl.load(w_s_ptrs + kb * stride_wsk)
+        a_s = tl.load(a_s_ptrs + kb * stride_ask)
         if BLOCK_N <= BLOCK_K:
-            acc += part * (a_s * w_s)[:, None]
+            acc += part * (a_s * tl.load(w_s_ptrs + kb * stride_wsk))[:, None]
         else:
-            acc += part * (a_s[:, None] * w_s[None, :])
+            acc += part * (a_s[:, None] * tl.load(w_s_ptrs + kb * stride_wsk)[None, :])
     return acc
 
 
@@ -258,7 +268,7 @@ def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N,
                        a_desc, w_desc,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
-                       WARP_SPECIALIZE: tl.constexpr, SCALE_PREFETCH: tl.constexpr):
+                       WARP_SPECIALIZE: tl.constexpr):
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -271,8 +281,7 @@ def _contiguous_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N,
                                 rows, cols, K, stride_am, stride_asm, stride_ask,
                                 stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
                                 pid_m * BLOCK_M, expert * N + pid_n * BLOCK_N,
-                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE,
-                                SCALE_PREFETCH)
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
         # Trailing -1 rows of the expert's last tile are padding: exact zeros.
         row_experts = tl.load(m_idx_ptr + offs_m, mask=offs_m < M, other=-1)
         acc = tl.where((row_experts == expert)[:, None], acc, 0.0)
@@ -291,7 +300,7 @@ def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, 
                    stride_oe, stride_om, a_desc, w_desc,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, TMA: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
-                   WARP_SPECIALIZE: tl.constexpr, SCALE_PREFETCH: tl.constexpr):
+                   WARP_SPECIALIZE: tl.constexpr):
     e = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     valid = tl.minimum(tl.load(masked_m_ptr + e), T)
@@ -307,8 +316,7 @@ def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, 
                                 stride_wn, stride_wsn, stride_wsk, a_desc, w_desc,
                                 (e * T + pid_m * BLOCK_M).to(tl.int32),
                                 (e * N + pid_n * BLOCK_N).to(tl.int32),
-                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE,
-                                SCALE_PREFETCH)
+                                BLOCK_M, BLOCK_N, BLOCK_K, TMA, IMPRECISE_ACC, WARP_SPECIALIZE)
         out_ptrs = out_ptr + e * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :]
         out_mask = (offs_m[:, None] < valid) & (offs_n[None, :] < N)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -320,14 +328,15 @@ def _masked_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, masked_m_ptr, T, N, 
 def grouped_fp8_gemm_contiguous_triton(a, w, out, m_indices, config: dict | None = None):
     """Triton launcher of `grouped_fp8_gemm_contiguous` (same arguments, no validation).
 
-    config: optional overrides of `DEFAULT_CONFIG` (see above).
+    config: optional overrides of `DEFAULT_CONFIG` (see above; `contiguous_config` gives the
+    config run).
     """
     (a_q, a_s), (w_q, w_s) = a, w
     M, K = a_q.shape
     N = w_q.shape[1]
     if M == 0:
         return out
-    cfg = _resolve_config(config)
+    cfg = contiguous_config(M, w_q.shape[0], config)
     descs, kwargs = _launch_args(cfg, a_q, w_q)
     num_tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     # Whole stride tuples: one call each instead of one per dimension (host time).
