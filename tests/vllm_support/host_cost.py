@@ -6,7 +6,8 @@ against our own FusedMoEModularKernel: same problem, same kernels (GPU only).
 
 Both run under torch.inference_mode, as vLLM's model runner runs a forward. Variants:
 - ``ours``: FusedMoEModularKernel(NoEPPrepareAndFinalize(), experts), the input quantised by
-  prepare (the target's reference, issue 28);
+  prepare (the target's reference, issue 28); activation scales as vLLM decides them for the
+  adapters (``use_ue8m0``: vLLM's is_deep_gemm_e8m0_used()), here and below;
 - ``ours_deferred``: the same with NoEPPrepareAndFinalize(defer_input_quant=True), the one-rank
   layer make_moe_kernel builds (the experts quantise the input where they permute it);
 - ``adapter``: vLLM's FusedMoEKernel(VllmNoEPPrepareAndFinalize(), Vllm...Experts);
@@ -182,6 +183,7 @@ def measure(experts: str, M: int, calls: int, rounds: int, before: str | None) -
     from vllm_moe_fixes import fused_moe as ours
     from vllm_moe_fixes.integrations.vllm import experts as adapters
     from vllm_moe_fixes.integrations.vllm import prepare_finalize as pfs
+    from vllm_moe_fixes.integrations.vllm.support import vllm_rounds_scales_to_ue8m0
     from vllm_moe_fixes.testing import random_fp8_moe_weights
 
     E, K, I, k = 32, 7168, 2048, 8  # DeepSeek-V3's expert shapes, 32 local
@@ -201,9 +203,13 @@ def measure(experts: str, M: int, calls: int, rounds: int, before: str | None) -
     our_cls = ours.DeepGemmExperts if experts == "deep_gemm" else ours.TritonExperts
     theirs = mk.FusedMoEKernel(pfs.VllmNoEPPrepareAndFinalize(),
                                getattr(adapters, name_of_experts)(cfg, qc))
-    mine = ours.FusedMoEModularKernel(ours.NoEPPrepareAndFinalize(), our_cls())
+    # Activation scales as the adapters take them from vLLM (power-of-two where its DeepGEMM
+    # E8M0 recipe is on, as on an H200 with DeepGEMM): the same bits.
+    use_ue8m0 = vllm_rounds_scales_to_ue8m0()
+    mine = ours.FusedMoEModularKernel(ours.NoEPPrepareAndFinalize(use_ue8m0=use_ue8m0),
+                                      our_cls())
     mine_deferred = ours.FusedMoEModularKernel(
-        ours.NoEPPrepareAndFinalize(defer_input_quant=True), our_cls())
+        ours.NoEPPrepareAndFinalize(defer_input_quant=True, use_ue8m0=use_ue8m0), our_cls())
 
     def vllm_call(kernel):
         return lambda: kernel.apply(x, w.w1, w.w2, tw, ids, MoEActivation.SILU, E, None, False)
@@ -227,6 +233,7 @@ def measure(experts: str, M: int, calls: int, rounds: int, before: str | None) -
         print(f"{experts} M={M}: outputs differ from ours: {equal}", flush=True)
     rows, round_host = _interleaved(variants, calls, rounds)
     rows["bit_equal_to_ours"] = equal
+    rows["use_ue8m0"] = use_ue8m0
     for what in ("host_us", "loop_us"):
         for base in ("ours", "ours_deferred"):
             suffix = "" if base == "ours" else "_vs_deferred"
