@@ -1,7 +1,7 @@
 """Host cost of one MoE layer call through vLLM's FusedMoEKernel with this library's adapters
 against our own FusedMoEModularKernel: same problem, same kernels (GPU only).
 
-    python tests/vllm_support/host_cost.py OUT.json [--experts triton,deep_gemm] [--calls 50]
+    python tests/vllm_support/host_cost.py OUT.json [--experts triton,deep_gemm] [--calls 30]
         [--rounds 8] [--tokens 128,1] [--before DIR]
 
 Both run under torch.inference_mode, as vLLM's model runner runs a forward. Variants:
@@ -304,7 +304,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--experts", default="triton",
                         help="comma-separated: triton, deep_gemm")
-    parser.add_argument("--calls", type=int, default=50, help="calls per variant and round")
+    parser.add_argument("--calls", type=int, default=30, help="calls per variant and round")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", default="128,1", help="comma-separated token counts M")
     parser.add_argument("--before", help="a folder holding an earlier experts.py and "
