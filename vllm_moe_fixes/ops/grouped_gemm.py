@@ -52,6 +52,12 @@ from vllm_moe_fixes.sizes import cdiv
 # in 6.8% of elements, 64 in 4.3%, 32 in 2.6%, at 0.87 / 0.62 of the default's TFLOP/s
 # (benchmarks/results/grouped_gemm_accuracy.json, kernels_h200.log). Other GPUs and the
 # interpreter accumulate in float32 throughout and ignore it.
+# Where the caller names no IMPRECISE_ACC, K >= PROMOTE_FROM_K promotes every PROMOTE_EVERY of K
+# (`_promoted`): vLLM 0.33's block-FP8 fused-MoE test, with its activation scales rounded to powers
+# of two as on a Hopper GPU with DeepGEMM, failed 3 of its 160 cases (E 2, N 4608, K 7168) at
+# 1.02-1.23 of its tolerance with GEMM1 (K 7168) promoting once per 128; promoting every 64 in
+# GEMM1 alone brought every case of that shape under 0.84 (H200, Dec 2 13:23, 30 cases). GEMM2
+# (K = I, 2048 for DeepSeek) keeps the default's speed.
 # WARP_SPECIALIZE: Triton's automatic warp specialisation of the K loop (producer / consumer
 # partitions; triton 3.6 implements it for Hopper). Measured at 4 x 8192, N 4096, K 7168: 888 vs
 # 892 TFLOP/s contiguous, 423 vs 899 masked, so it stays off.
@@ -88,11 +94,13 @@ DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=32, num_warps=4, num_stag
 # Where the caller names no GROUP_M, the contiguous kernel therefore takes a group of about one
 # expert's M tiles (rows // experts // BLOCK_M, down to a power of two, between _MIN_GROUP_M and
 # DEFAULT_CONFIG's): the masked kernel's tile order for equal experts. Only the order changes, so
-# the output bits do not. Sweeps with GROUP_M given: 8 x 1024 rows, 16 vs 32, 895.7 / 889.6 vs
-# 866.6 / 862.3 TFLOP/s (grouped_gemm_sweep_h200.log), but 815.9 vs 829.3 with prefetched scales
-# (grouped_gemm_sweep_prefetch_h200.log); 32 x 256 rows, 8 vs 16, 773.7 vs 759.6
-# (grouped_gemm_config_h200.txt); 4 had not run.
+# the output bits do not. Timed on the H200 (Dec 2 13:28, one run, GROUP_M given vs picked), the
+# pick was the best of 32/16/8/4 on 5 of the 6 bench shapes and within 1.5% on the sixth: 32 x 256
+# rows 4: 794.9 TFLOP/s vs 765.9 at 32; 8 x 1024 rows 16: 888.0 / 825.9 vs 840.2 / 797.4 at 32
+# (K 7168 / 2048); 4096-8192 rows 32 (grouped_gemm_config_h200.txt).
 _MIN_GROUP_M = 4
+PROMOTE_FROM_K = 4096
+PROMOTE_EVERY = 64
 
 
 def default_config() -> dict:
@@ -116,10 +124,25 @@ def _resolve_config(config: dict | None) -> dict:
     return cfg
 
 
-def contiguous_config(rows: int, experts: int, config: dict | None = None) -> dict:
-    """The config the contiguous launcher runs for `rows` stacked rows of `experts` experts:
-    DEFAULT_CONFIG with `config`'s overrides, GROUP_M chosen per expert size unless given."""
-    cfg = _resolve_config(config)
+def _promoted(cfg: dict, config: dict | None, K: int) -> dict:
+    """cfg promoting every PROMOTE_EVERY of K at K >= PROMOTE_FROM_K, unless config names its own
+    IMPRECISE_ACC (0: Triton's default)."""
+    if K >= PROMOTE_FROM_K and not (config and "IMPRECISE_ACC" in config):
+        cfg["IMPRECISE_ACC"] = PROMOTE_EVERY
+    return cfg
+
+
+def masked_config(K: int, config: dict | None = None) -> dict:
+    """The config the masked launcher runs at reduction size K: DEFAULT_CONFIG with `config`'s
+    overrides, promoting at deep K unless IMPRECISE_ACC is given."""
+    return _promoted(_resolve_config(config), config, K)
+
+
+def contiguous_config(rows: int, experts: int, config: dict | None = None, K: int = 0) -> dict:
+    """The config the contiguous launcher runs for `rows` stacked rows of `experts` experts at
+    reduction size K: DEFAULT_CONFIG with `config`'s overrides, GROUP_M chosen per expert size
+    unless given, promoting at deep K unless IMPRECISE_ACC is given."""
+    cfg = _promoted(_resolve_config(config), config, K)
     if not (config and "GROUP_M" in config):
         tiles = max(rows // max(experts, 1) // cfg["BLOCK_M"], 1)
         cfg["GROUP_M"] = min(max(1 << (tiles.bit_length() - 1), _MIN_GROUP_M),
@@ -336,7 +359,7 @@ def grouped_fp8_gemm_contiguous_triton(a, w, out, m_indices, config: dict | None
     N = w_q.shape[1]
     if M == 0:
         return out
-    cfg = contiguous_config(M, w_q.shape[0], config)
+    cfg = contiguous_config(M, w_q.shape[0], config, K)
     descs, kwargs = _launch_args(cfg, a_q, w_q)
     num_tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     # Whole stride tuples: one call each instead of one per dimension (host time).
@@ -352,14 +375,15 @@ def grouped_fp8_gemm_masked_triton(a, w, out, masked_m, expected_m=None,
     """Triton launcher of `grouped_fp8_gemm_masked` (same arguments, no validation).
 
     expected_m is accepted for DeepGEMM's signature; the 64-row default tiles already suit small
-    row counts, so it does not change the tiling. `config` overrides `DEFAULT_CONFIG`.
+    row counts, so it does not change the tiling. `config` overrides `DEFAULT_CONFIG`
+    (`masked_config` gives the config run).
     """
     (a_q, a_s), (w_q, w_s) = a, w
     E, T, K = a_q.shape
     N = w_q.shape[1]
     if E == 0 or T == 0:
         return out
-    cfg = _resolve_config(config)
+    cfg = masked_config(K, config)
     descs, kwargs = _launch_args(cfg, a_q, w_q)
     per_expert = cdiv(T, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     _masked_kernel[(per_expert, E)](
