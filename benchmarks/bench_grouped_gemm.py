@@ -29,10 +29,10 @@ from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, per_token_group_quant_fp8_ref
 from vllm_moe_fixes.ops.grouped_gemm import (
     contiguous_config,
-    default_config,
     grouped_fp8_gemm_contiguous_ref,
     grouped_fp8_gemm_contiguous_triton,
     grouped_fp8_gemm_masked_triton,
+    masked_config,
 )
 from vllm_moe_fixes.testing import calc_diff, quant_block_fp8
 
@@ -111,7 +111,7 @@ def run_shape(shape, figure, sweep):
     out_m = out.view(groups, rows, N)
     masked_m = torch.full((groups,), rows, device="cuda", dtype=torch.int32)
     rec = dict(groups=groups, rows=rows, N=N, K=K, figure_deepgemm_tflops=figure,
-               config=contiguous_config(M, groups), masked_config=default_config())
+               config=contiguous_config(M, groups, K=K), masked_config=masked_config(K))
 
     ref = None
     if sweep:
@@ -242,8 +242,10 @@ def print_sweep(records):
 # DeepGEMM's E8M0 is off; where DeepGEMM imports on SM90, vLLM (and so its test's reference)
 # rounds them up to powers of two. The test itself, run with our layer:
 # tests/vllm_support/block_fp8_ours.py (benchmarks/results/vllm_block_fp8_h200.txt).
-ACCURACY_VARIANTS = {"default": {}, "imprecise64": {"IMPRECISE_ACC": 64},
-                     "imprecise32": {"IMPRECISE_ACC": 32}}
+# "default" is the config the library runs (at K >= PROMOTE_FROM_K it promotes every 64 of K);
+# "per128" Triton's own default, one promotion per 128-wide block as DeepGEMM does.
+ACCURACY_VARIANTS = {"default": {}, "per128": {"IMPRECISE_ACC": 0},
+                     "imprecise64": {"IMPRECISE_ACC": 64}, "imprecise32": {"IMPRECISE_ACC": 32}}
 # (M, N = vLLM's intermediate size, K, E, top-k): the failing cases named in issue 22.
 VLLM_FAILING_CASES = [(8192, 4608, 7168, 2, 1), (83, 4608, 7168, 2, 1), (83, 4608, 7168, 2, 2),
                       (128, 4608, 7168, 2, 1), (8192, 1024, 7168, 2, 1), (1, 4608, 7168, 2, 2)]

@@ -21,6 +21,7 @@ from vllm_moe_fixes.ops.grouped_gemm import (
     grouped_fp8_gemm_masked,
     grouped_fp8_gemm_masked_ref,
     grouped_fp8_gemm_masked_triton,
+    masked_config,
 )
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.sizes import ROW_ALIGNMENT
@@ -166,6 +167,37 @@ def test_contiguous_config_groups_one_experts_tiles(rows, experts, group_m):
     assert contiguous_config(rows, experts)["GROUP_M"] == group_m
     assert contiguous_config(rows, experts, dict(GROUP_M=2))["GROUP_M"] == 2
     assert contiguous_config(rows, experts, dict(BLOCK_M=128))["BLOCK_M"] == 128
+
+
+# Deep K (GEMM1 at hidden 7168) promotes every 64 of K unless the caller names IMPRECISE_ACC.
+@pytest.mark.parametrize("K,promoted", [(7168, 64), (4096, 64), (4095, 0), (2048, 0), (0, 0)])
+def test_deep_k_promotes_unless_named(K, promoted):
+    assert contiguous_config(1024, 8, K=K)["IMPRECISE_ACC"] == promoted
+    assert masked_config(K)["IMPRECISE_ACC"] == promoted
+    for named in (0, 32):
+        assert contiguous_config(1024, 8, dict(IMPRECISE_ACC=named), K)["IMPRECISE_ACC"] == named
+        assert masked_config(K, dict(IMPRECISE_ACC=named))["IMPRECISE_ACC"] == named
+
+
+@pytest.mark.gpu
+def test_deep_k_launch_runs_the_promoted_config_gpu():
+    """The launchers run the promotion of their K: with no config, the bits of IMPRECISE_ACC 64,
+    not of Triton's default (0), at K 7168 on SM90 (elsewhere both accumulate in float32)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the promotion changes bits only on SM90's FP8 tensor cores")
+    segments, N, K = [1024, 513, 0, 700], 1024, 7168
+    m_idx = contiguous_layout(segments).cuda()
+    M = m_idx.numel()
+    _, _, (a_q, a_s), (w_q, w_s) = make_problem(len(segments), N, K, (M,), "cuda", 31)
+    a_s = mn_major(a_s)
+    outs = {}
+    for name, config in (("none", None), ("64", dict(IMPRECISE_ACC=64)),
+                         ("0", dict(IMPRECISE_ACC=0))):
+        outs[name] = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        grouped_fp8_gemm_contiguous_triton((a_q, a_s), (w_q, w_s), outs[name], m_idx, config)
+    assert torch.equal(outs["none"], outs["64"])
+    assert not torch.equal(outs["none"], outs["0"])
+    check_contiguous(outs["none"], a_q, a_s, w_q, w_s, m_idx, 1e-5)
 
 
 def test_contiguous_group_m_keeps_the_bits(kernel_device):
