@@ -390,7 +390,7 @@ def bench_chunk_sizes(name, make_experts, w):
             rows.append(dict(backend=name, M=CHUNK_SWEEP_M, chunk=chunk, us=us,
                              ns_per_token=us * 1e3 / CHUNK_SWEEP_M, peak_MiB=peak.bytes / 2**20))
             print_table(rows[-1:], list(rows[-1]))
-            del kernel
+            kernel = layer = None  # free the workspaces before the next chunk size
     finally:
         if saved is None:
             os.environ.pop("VLLM_FUSED_MOE_CHUNK_SIZE", None)
