@@ -422,13 +422,13 @@ def test_experts_compute_on_the_inputs_device_whatever_device_vllms_workspaces_a
                                                                       dtype=torch.int32),
                                        expert_num_tokens_cpu=None)
         tw, ti = torch.rand(16, k, generator=g), torch.randint(0, E, (16, k), generator=g)
-        M, shape_args = 32, (32, 2 * I, K, k, E, 4, meta, MoEActivation.SILU)
+        shape_args = (32, 2 * I, K, k, E, 4, meta, MoEActivation.SILU)
     else:
         w, x, tw, ti = problem(9, E, k, seed=4)
         ex = VllmTritonExperts(moe_config(E, k), block_quant_config(w))
         a1q, a1s, *_ = VllmNoEPPrepareAndFinalize().prepare(x, tw, ti, E, None, False,
                                                             block_quant_config(w), False)
-        meta, M, shape_args = None, 9, (9, 2 * I, K, k, E, E, None, MoEActivation.SILU)
+        meta, shape_args = None, (9, 2 * I, K, k, E, E, None, MoEActivation.SILU)
     ws13_shape, ws2_shape, out_shape = ex.workspace_shapes(*shape_args)
 
     def call(device, out):
