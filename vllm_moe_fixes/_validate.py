@@ -19,6 +19,12 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a positive int")
 
 
+def check_bool(name: str, value) -> None:
+    """Raise ValueError unless `value` is a bool (1 and 0 are refused: a flag is not a count)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
 def check_experts_per_rank(num_experts: int, num_ranks: int) -> int:
     """Return E_l = num_experts // num_ranks; raise ValueError unless num_experts is a
     positive multiple of num_ranks (expert g lives on rank g // E_l)."""

@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
+from vllm_moe_fixes._validate import check_bool, check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed.collectives import (
     NO_STAMP,
     PassStamp,
@@ -142,8 +142,7 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
     _buffer_kinds = "a deep_ep.Buffer or TorchAll2AllBuffer"  # what has them (the refusal says)
 
     def __init__(self, buffer, num_dispatchers: int, use_ue8m0: bool) -> None:
-        if not isinstance(use_ue8m0, bool):
-            raise ValueError(f"use_ue8m0 must be a bool, got {use_ue8m0!r}")
+        check_bool("use_ue8m0", use_ue8m0)
         self.use_ue8m0 = use_ue8m0
         missing = [m for m in self._needs if not callable(getattr(buffer, m, None))]
         if missing:
@@ -414,8 +413,7 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             raise ValueError("buffer must be built with low_latency_mode=True for low-latency "
                              "dispatch")
         check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
-        if not isinstance(use_fp8_dispatch, bool):
-            raise ValueError(f"use_fp8_dispatch must be a bool, got {use_fp8_dispatch!r}")
+        check_bool("use_fp8_dispatch", use_fp8_dispatch)
         self.max_tokens_per_rank_ = max_tokens_per_rank
         self.use_fp8_dispatch = use_fp8_dispatch
 

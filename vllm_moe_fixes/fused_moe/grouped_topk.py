@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes import envs
-from vllm_moe_fixes._validate import check, check_positive_int
+from vllm_moe_fixes._validate import check, check_bool, check_positive_int
 from vllm_moe_fixes.ops.triton_utils import next_power_of_2
 from vllm_moe_fixes.sizes import cdiv
 
@@ -254,7 +254,7 @@ def _check_args(gating_output, topk, renormalize, num_expert_group, topk_group, 
           f"gating_output must be on CPU or CUDA, got {gating_output.device}")
     E = gating_output.shape[1]
     check(1 <= E <= MAX_EXPERTS, f"gating_output has E={E} experts; allowed: 1..{MAX_EXPERTS}")
-    check(isinstance(renormalize, bool), f"renormalize must be a bool, got {renormalize!r}")
+    check_bool("renormalize", renormalize)
     check(scoring_func in SCORING_FUNCS,
           f"scoring_func={scoring_func!r}; allowed: {', '.join(SCORING_FUNCS)}")
     check_positive_int("num_expert_group", num_expert_group)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from vllm_moe_fixes._validate import check as _check
+from vllm_moe_fixes._validate import check_bool
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import (
     QUANT_BLOCK_M,
@@ -158,7 +159,7 @@ def quant_permute(x: torch.Tensor, layout: ContiguousLayout, out_q: torch.Tensor
     check_permuted_outputs(out_q, out_s, m_sum, K)
     devices = {t.device for t in (x, out_q, out_s, layout.src_row, layout.dest)}
     _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    _check(isinstance(use_ue8m0, bool), f"use_ue8m0 must be a bool, got {use_ue8m0!r}")
+    check_bool("use_ue8m0", use_ue8m0)
     if x.is_cuda:
         quant_permute_triton(x, layout, out_q, out_s, use_ue8m0)
     else:

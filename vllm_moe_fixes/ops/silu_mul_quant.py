@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_moe_fixes._validate import check_bool
 from vllm_moe_fixes.ops.activation import silu_and_mul_ref, silu_and_mul_values
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
 from vllm_moe_fixes.ops.fp8_quant import QUANT_EPS, per_token_group_quant_fp8_ref, quantize_groups
@@ -213,8 +214,7 @@ def silu_and_mul_quant_fp8(
     """
     _check_x(x, expert_num_tokens)
     _check_counts(expert_num_tokens, x)
-    if not isinstance(use_ue8m0, bool):
-        raise ValueError(f"use_ue8m0 must be a bool, got {use_ue8m0!r}")
+    check_bool("use_ue8m0", use_ue8m0)
     n = x.shape[-1] // 2
     x_q = _output("out_q", out_q, (*x.shape[:-1], n), FP8_DTYPE, x.device)
     x_s = _output("out_s", out_s, (*x.shape[:-1], n // SCALE_BLOCK), torch.float32, x.device)
