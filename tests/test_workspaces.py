@@ -18,6 +18,18 @@ from vllm_moe_fixes.sizes import (
 )
 
 
+def test_workspaces_keep_their_buffers_for_another_spelling_of_the_device():
+    """A device named as a string (or, on CUDA, without an index) is the buffers' device: the
+    buffers stay, and a second request of the same spelling returns the same views."""
+    spaces = Workspaces()
+    first = spaces.get((4, 8), (16,), torch.device("cpu"), torch.bfloat16)
+    generation, buffers = spaces.generation, (spaces.ws13, spaces.ws2)
+    second = spaces.get((2, 8), (8,), "cpu", torch.bfloat16)
+    assert spaces.generation == generation and (spaces.ws13, spaces.ws2) == buffers
+    assert second[0].data_ptr() == first[0].data_ptr()
+    assert spaces.get((2, 8), (8,), "cpu", torch.bfloat16) is second
+
+
 def test_workspaces_reused_and_grown():
     kernel = new_kernel()
     p = make_problem(64, 2, 8, 128, 256, seed=1)

@@ -49,12 +49,23 @@ class Workspaces:
         if views is not None:
             return views
         n13, n2 = math.prod(ws13_shape), math.prod(ws2_shape)
-        buf13 = self._get("ws13", n13, device, dtype)
-        buf2 = self._get("ws2", n2, device, dtype)
+        buf13 = self._get("ws13", n13, _as_tensors_report(device), dtype)
+        buf2 = self._get("ws2", n2, _as_tensors_report(device), dtype)
         if len(self._views) >= self._MAX_VIEWS:
             del self._views[next(iter(self._views))]  # the oldest request
         views = self._views[key] = (buf13[:n13].view(ws13_shape), buf2[:n2].view(ws2_shape))
         return views
+
+
+def _as_tensors_report(device) -> torch.device:
+    """device as a tensor on it reports it (tensor.device, what _get compares the buffers'
+    with): a torch.device, and the current CUDA device for "cuda" without an index. A request
+    for "cuda" or "cpu" as a string or an unindexed device would otherwise replace the buffers
+    every time."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def views_cached_on(ws13: torch.Tensor, ws2: torch.Tensor, make, *sizes):
