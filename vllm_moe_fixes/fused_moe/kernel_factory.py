@@ -86,10 +86,8 @@ def make_moe_kernel(ep_group: dist.ProcessGroup | None, *, hidden_size: int,
                                max_tokens_per_rank=max_tokens_per_rank, backend=backend,
                                low_latency=low_latency)
     experts = select_experts_for(pf, intermediate_size, hidden_size)
-    if ep_group is None and experts.takes_unquantized_input:
-        # One rank, contiguous experts: they quantise the input where they permute it (one
-        # kernel instead of two, the same bits).
-        pf = NoEPPrepareAndFinalize(defer_input_quant=True)
+    if ep_group is None:
+        pf.defer_input_quant_to(experts)
     return FusedMoEModularKernel(pf, experts, workspaces)
 
 

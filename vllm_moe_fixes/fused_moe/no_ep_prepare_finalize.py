@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_moe_fixes._validate import check_bool
 from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     PrepareAndFinalize,
@@ -40,10 +41,16 @@ class NoEPPrepareAndFinalize(PrepareAndFinalize):
     passes_reduced_output_through = True
 
     def __init__(self, *, defer_input_quant: bool = False, use_ue8m0: bool = False) -> None:
-        if not isinstance(use_ue8m0, bool):
-            raise ValueError(f"use_ue8m0 must be a bool, got {use_ue8m0!r}")
+        check_bool("use_ue8m0", use_ue8m0)
         self.defer_input_quant = defer_input_quant
         self.use_ue8m0 = use_ue8m0
+
+    def defer_input_quant_to(self, experts) -> bool:
+        """Leave the input quant to `experts` where they take unquantised input (our contiguous
+        experts quantise it where they permute it: one kernel instead of two, the same bits);
+        return whether this prepare now defers it."""
+        self.defer_input_quant = bool(experts.takes_unquantized_input)
+        return self.defer_input_quant
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:

@@ -166,8 +166,8 @@ class VllmNoEPPrepareAndFinalize(_StandardAdapter):
         permute, the same bits), as in the one-rank layer make_moe_kernel builds: with them
         prepare hands a1 on as it is, and they answer vLLM's expects_unquantized_inputs with
         True, which vLLM's kernel passes to prepare as defer_input_quant."""
-        if isinstance(fused_experts, VllmExperts) and fused_experts.experts.takes_unquantized_input:
-            self.ours.defer_input_quant = True
+        if isinstance(fused_experts, VllmExperts) and \
+                self.ours.defer_input_quant_to(fused_experts.experts):
             fused_experts.expects_unquantized_inputs = True
 
     def topk_indices_dtype(self) -> torch.dtype | None:
