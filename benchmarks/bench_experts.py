@@ -140,8 +140,6 @@ def gemms_alone(kernel, experts, w, M):
     kernel's workspaces, and a summary of what they hand the GEMM."""
     w1, w1s, w2, w2s = w
     ws13, ws2, _ = experts.workspace_shapes(M, I, K, TOPK, LOCAL_NUM_EXPERTS)
-    # The layer's own device (cuda:0): the workspaces are keyed by it, and torch.device("cuda")
-    # is another key, whose fresh buffers hold no layout.
     v = workspace_views(*kernel.workspaces.get(ws13, ws2, w1.device, torch.bfloat16),
                         M * TOPK, LOCAL_NUM_EXPERTS, K, I)
     lay = v.layout
