@@ -71,7 +71,7 @@ def bench_routing(name, make_experts, w, emap, M, skewed, passes_list):
     for passes in passes_list:
         os.environ[CHUNK] = str(cdiv(M, passes))
         experts = make_experts()
-        shapes = experts.workspace_shapes(M, I, K, TOPK, E_L, tokens_per_pass=cdiv(M, passes))
+        shapes = experts.workspace_shapes(M, I, K, TOPK, E_L, experts_pass_tokens=cdiv(M, passes))
         declared = 2 * sum(torch.Size(s).numel() for s in shapes[:2])
         torch.cuda.empty_cache()
         with peak_memory() as peak:
@@ -82,7 +82,7 @@ def bench_routing(name, make_experts, w, emap, M, skewed, passes_list):
             def apply():
                 experts.apply(out, a1q, a1s, w, workspace13=ws13, workspace2=ws2, topk_ids=ids,
                               expert_map=emap, topk_weights=weights,
-                              tokens_per_pass=cdiv(M, passes))
+                              experts_pass_tokens=cdiv(M, passes))
             apply()
         result = out.clone()
         us = bench_us(apply, [()])

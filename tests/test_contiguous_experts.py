@@ -136,15 +136,15 @@ def test_deep_gemm_experts_hand_deep_gemm_the_psum_layout(monkeypatch):
     assert torch.equal(out, run(new_kernel(DeepGemmExperts()), p, E))
 
 
-@pytest.mark.parametrize("tokens_per_pass", [None, 7])
+@pytest.mark.parametrize("experts_pass_tokens", [None, 7])
 @pytest.mark.parametrize("launchers", ["reference", "triton"])
-def test_deferred_input_quant_same_bits(tokens_per_pass, launchers, monkeypatch):
+def test_deferred_input_quant_same_bits(experts_pass_tokens, launchers, monkeypatch):
     """NoEP with defer_input_quant hands the experts bf16 a1 (no scales) and the experts quantise
     it into the permuted rows: the layer's output is bit for bit that of the quantising prepare,
     in one pass and in passes (VLLM_FUSED_MOE_CHUNK_SIZE below M), with every step's torch
     reference and with every Triton launcher (interpreted)."""
-    if tokens_per_pass is not None:
-        monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", str(tokens_per_pass))
+    if experts_pass_tokens is not None:
+        monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", str(experts_pass_tokens))
     if launchers == "triton":
         if torch.cuda.is_available():
             pytest.skip("interpreter only (CPU tensors); on a GPU the test below runs the kernels")

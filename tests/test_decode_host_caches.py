@@ -104,7 +104,7 @@ def test_experts_output_view_once_per_workspace_and_shape():
 class _OversizedOutput(BatchedTritonExperts):
     """Declares an output one row longer than its workspace13."""
 
-    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, experts_pass_tokens=None):
         ws13, ws2, out = super().workspace_shapes(M, I, K, topk, local_num_experts)
         return ws13, ws2, (out[0] * out[1] * (ws13[2] // K) + 1, K)
 
@@ -127,7 +127,7 @@ class _CountingExperts(BatchedTritonExperts):
     def __init__(self):
         self.plans = 0
 
-    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, experts_pass_tokens=None):
         self.plans += 1
         return super().workspace_shapes(M, I, K, topk, local_num_experts)
 

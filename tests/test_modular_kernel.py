@@ -148,13 +148,13 @@ class UnreducedExperts(TritonExperts):
 
     reduces_output = False
 
-    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, experts_pass_tokens=None):
         ws13, ws2, _ = TritonExperts().workspace_shapes(M, I, K, 1, local_num_experts)
         return (M * topk * K + ws13[0] * ws13[1],), ws2, (M, topk, K)
 
     def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
               expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
-              tokens_per_pass=None, activation="silu"):
+              experts_pass_tokens=None, activation="silu"):
         (M, k), (E_l, K, I) = topk_ids.shape, weights.w2.shape
         ws13, ws2, _ = TritonExperts().workspace_shapes(M, I, K, 1, E_l)
         inner13 = workspace13[output.numel():].view(ws13)

@@ -98,7 +98,7 @@ def _apply(experts, w, received, I, K, *, bound, out_in_ws13=True, guard=64, dev
     a1q, a1s, ids, weights, emap = received
     M, k = ids.shape
     E_l = w[0].shape[0]
-    shapes = experts.workspace_shapes(M, I, K, k, E_l, tokens_per_pass=bound)
+    shapes = experts.workspace_shapes(M, I, K, k, E_l, experts_pass_tokens=bound)
     bufs = []
     for shape in shapes[:2]:
         n = torch.Size(shape).numel()
@@ -110,7 +110,7 @@ def _apply(experts, w, received, I, K, *, bound, out_in_ws13=True, guard=64, dev
     else:  # the layer's own output (no combine after the experts)
         out = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device=device)
     experts.apply(out, a1q, a1s, Fp8MoEWeights(*w), workspace13=ws13, workspace2=ws2,
-                  topk_ids=ids, expert_map=emap, topk_weights=weights, tokens_per_pass=bound)
+                  topk_ids=ids, expert_map=emap, topk_weights=weights, experts_pass_tokens=bound)
     guards_ok = all(b[:guard].isnan().all() and b[-guard:].isnan().all() for b in (buf13, buf2))
     return out.clone(), guards_ok
 
@@ -153,11 +153,11 @@ def test_declared_shapes_are_one_pass_plus_the_output():
 
 def test_experts_declare_the_bound_they_are_given(monkeypatch):
     monkeypatch.setenv(CHUNK, "7")  # not read below the kernel: the bound is a parameter
-    assert TritonExperts().workspace_shapes(1000, 128, 256, 2, 4, tokens_per_pass=64) == \
+    assert TritonExperts().workspace_shapes(1000, 128, 256, 2, 4, experts_pass_tokens=64) == \
         contiguous_workspace_shapes(1000, 128, 256, 2, 4, 64)
     for one_pass in (1000, None):
         assert TritonExperts().workspace_shapes(1000, 128, 256, 2, 4,
-                                                tokens_per_pass=one_pass) == \
+                                                experts_pass_tokens=one_pass) == \
             contiguous_workspace_shapes(1000, 128, 256, 2, 4)
 
 
@@ -208,7 +208,7 @@ def test_passes_give_the_bits_of_one_pass_and_allocate_nothing_under_the_interpr
     outs = []
     for bound in (M, 12):
         experts = TritonExperts()
-        shapes = experts.workspace_shapes(M, I, K, k, E_l, tokens_per_pass=bound)
+        shapes = experts.workspace_shapes(M, I, K, k, E_l, experts_pass_tokens=bound)
         ws13 = torch.empty(shapes[0], dtype=torch.bfloat16, device=kernel_device)
         ws2 = torch.empty(shapes[1], dtype=torch.bfloat16, device=kernel_device)
         out = ws13.view(-1)[:M * K].view(M, K)
@@ -216,7 +216,7 @@ def test_passes_give_the_bits_of_one_pass_and_allocate_nothing_under_the_interpr
         with tracked_cpu_peak() as peak:
             experts.apply(out, a1q, a1s, Fp8MoEWeights(*w), workspace13=ws13, workspace2=ws2,
                           topk_ids=ids, expert_map=emap, topk_weights=weights,
-                          tokens_per_pass=bound)
+                          experts_pass_tokens=bound)
         assert peak["bytes"] < 4096, peak  # a few index scalars at most
         outs.append(out.clone())
     assert torch.equal(outs[0], outs[1])
@@ -233,13 +233,13 @@ def test_apply_memory_does_not_grow_with_the_tokens_received(monkeypatch):
     def apply_peak(M, bound):
         experts = TritonExperts()
         a1q, a1s, ids, weights, emap = _received(M, K, k, E_l, seed=M, zero_ids=True)
-        shapes = experts.workspace_shapes(M, I, K, k, E_l, tokens_per_pass=bound)
+        shapes = experts.workspace_shapes(M, I, K, k, E_l, experts_pass_tokens=bound)
         ws13 = torch.empty(shapes[0], dtype=torch.bfloat16)
         ws2 = torch.empty(shapes[1], dtype=torch.bfloat16)
         out = ws13.view(-1)[:M * K].view(M, K)
         with tracked_cpu_peak() as peak:
             experts.apply(out, a1q, a1s, w, workspace13=ws13, workspace2=ws2, topk_ids=ids,
-                          expert_map=emap, topk_weights=weights, tokens_per_pass=bound)
+                          expert_map=emap, topk_weights=weights, experts_pass_tokens=bound)
         return peak["bytes"]
 
     bounded = [apply_peak(M, T) for M in (T, 3 * T, 6 * T)]
@@ -357,7 +357,7 @@ def test_gpu_passes_bit_exact_and_peak_is_the_declared_workspaces(backend, zero_
     outs = []
     for bound in (M, T):
         experts = experts_cls()
-        shapes = experts.workspace_shapes(M, I, K, k, E_l, tokens_per_pass=bound)
+        shapes = experts.workspace_shapes(M, I, K, k, E_l, experts_pass_tokens=bound)
         experts_out = None
         for measured in (False, True):  # the first call compiles the kernels
             torch.cuda.empty_cache()
@@ -367,7 +367,7 @@ def test_gpu_passes_bit_exact_and_peak_is_the_declared_workspaces(backend, zero_
                 experts_out = ws13.view(-1)[:M * K].view(M, K)
                 experts.apply(experts_out, a1q, a1s, Fp8MoEWeights(*w), workspace13=ws13,
                               workspace2=ws2, topk_ids=ids, expert_map=emap,
-                              topk_weights=weights, tokens_per_pass=bound)
+                              topk_weights=weights, experts_pass_tokens=bound)
             if measured:
                 declared = _declared_bytes(shapes)
                 assert declared <= peak.bytes <= 1.01 * declared + 2 * 2**20, (peak.bytes,
@@ -384,7 +384,7 @@ def test_gpu_passes_bit_exact_and_peak_is_the_declared_workspaces(backend, zero_
             try:
                 experts.apply(ws13.view(-1)[:M * K].view(M, K), a1q, a1s, Fp8MoEWeights(*w),
                               workspace13=ws13, workspace2=ws2, topk_ids=ids, expert_map=emap,
-                              topk_weights=weights, tokens_per_pass=bound)
+                              topk_weights=weights, experts_pass_tokens=bound)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(outs[1], outs[3])

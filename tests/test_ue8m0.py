@@ -281,11 +281,11 @@ def test_kernel_refuses_experts_that_cannot_follow_and_keeps_serving_them_off():
 
         def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2,
                   topk_ids=None, expert_map=None, expert_num_tokens=None, topk_weights=None,
-                  expected_m=None, tokens_per_pass=None, activation="silu"):
+                  expected_m=None, experts_pass_tokens=None, activation="silu"):
             TritonExperts.apply(self, output, a1q, a1q_scale, weights,
                                 workspace13=workspace13, workspace2=workspace2,
                                 topk_ids=topk_ids, expert_map=expert_map,
-                                topk_weights=topk_weights, tokens_per_pass=tokens_per_pass)
+                                topk_weights=topk_weights, experts_pass_tokens=experts_pass_tokens)
 
     with pytest.raises(ValueError, match="use_ue8m0"):
         FusedMoEModularKernel(NoEPPrepareAndFinalize(use_ue8m0=True), ExpertsWithoutTheKeyword())

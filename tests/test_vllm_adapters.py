@@ -208,7 +208,7 @@ def test_experts_caches_follow_new_weights_shapes_and_chunk_size(monkeypatch):
     monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", "8")  # 30 tokens now in 4 passes
     check(w, 30)
     assert ex.workspace_shapes(30, 2 * I, K, k, E, E, None, MoEActivation.SILU) == \
-        TritonExperts().workspace_shapes(30, I, K, k, E, tokens_per_pass=8)
+        TritonExperts().workspace_shapes(30, I, K, k, E, experts_pass_tokens=8)
 
 
 def test_moe_problem_size_is_vllms():

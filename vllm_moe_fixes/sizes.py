@@ -9,7 +9,7 @@ experts each give M*topk slots; every local expert's segment starts at a multipl
 rows, so M_sum = round_up(M*topk + E_l*(ROW_ALIGNMENT-1), ROW_ALIGNMENT) rows hold them all. The
 layout's int32 index vectors (m_indices and src_row [M_sum], dest [M*topk], per-chunk expert
 counts of at most M_sum entries) take at most 4*M_sum int32 = LAYOUT_INDEX_COLUMNS bf16 elements
-per row. The contiguous experts take what a rank received in passes of at most tokens_per_pass
+per row. The contiguous experts take what a rank received in passes of at most experts_pass_tokens
 tokens (VLLM_FUSED_MOE_CHUNK_SIZE), so M_sum is that of one pass, whatever the routing.
 
 Batched layout (BatchedTritonExperts / BatchedDeepGemmExperts, see fused_moe/batched_experts.py):
@@ -51,24 +51,25 @@ def _fp8_with_scales_columns(cols: int) -> int:
 
 
 def contiguous_workspace_shapes(M: int, I: int, K: int, topk: int, local_num_experts: int,
-                                tokens_per_pass: int | None = None):
+                                experts_pass_tokens: int | None = None):
     """(ws13, ws2, out) element shapes of the contiguous experts for M tokens (the rows of a1q:
-    what the rank received), taken in passes of at most `tokens_per_pass` tokens (None: one pass).
+    what the rank received), taken in passes of at most `experts_pass_tokens` tokens (None: one
+    pass).
 
-    One pass (M <= tokens_per_pass): ws13 [M_sum, .] holds the permuted input A (K fp8 bytes +
+    One pass (M <= experts_pass_tokens): ws13 [M_sum, .] holds the permuted input A (K fp8 bytes +
     K/32 scale bytes per row), then the requantised SiLU output G' (I + I/32 bytes per row), then
     the reduced output [M, K] when it is not the layer's own output (so its columns also cover
     M*K / M_sum). ws2 [M_sum, max(2I, K) + LAYOUT_INDEX_COLUMNS] holds GEMM1's output H
     [M_sum, 2I], then GEMM2's output [M_sum, K], followed by the layout's index vectors.
 
-    Several passes: M_sum is that of one pass (tokens_per_pass tokens), and ws13 holds the reduced
-    output [M, K] first (M*K elements, where the modular kernel puts the experts' output) and one
-    pass's A / G' after it; ws2 is one pass's. Only the [M, K] output grows with M.
+    Several passes: M_sum is that of one pass (experts_pass_tokens tokens), and ws13 holds the
+    reduced output [M, K] first (M*K elements, where the modular kernel puts the experts' output)
+    and one pass's A / G' after it; ws2 is one pass's. Only the [M, K] output grows with M.
 
     out is the reduced [M, K].
     """
-    passes = tokens_per_pass is not None and M > tokens_per_pass
-    m_sum = contiguous_num_rows((tokens_per_pass if passes else M) * topk, local_num_experts)
+    passes = experts_pass_tokens is not None and M > experts_pass_tokens
+    m_sum = contiguous_num_rows((experts_pass_tokens if passes else M) * topk, local_num_experts)
     scratch = max(_fp8_with_scales_columns(K), _fp8_with_scales_columns(I))
     out_cols = cdiv(M * K, m_sum)
     cols13 = scratch + out_cols if passes else max(scratch, out_cols)

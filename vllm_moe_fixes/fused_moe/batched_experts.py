@@ -67,20 +67,20 @@ class BatchedExperts(Experts):
     def check_rows_per_expert(self, t: int) -> None:
         """ValueError when the GEMM cannot take T = t rows per expert slice (default: any)."""
 
-    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, experts_pass_tokens=None):
         """M is T, the rows of each expert slice (vllm_moe_fixes.sizes); one pass takes every
-        slice, so tokens_per_pass is not read."""
+        slice, so experts_pass_tokens is not read."""
         return batched_workspace_shapes(M, I, K, local_num_experts)
 
     @one_op_when_compiled
     def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
               expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
-              tokens_per_pass=None, activation="silu", use_ue8m0=False) -> None:
+              experts_pass_tokens=None, activation="silu", use_ue8m0=False) -> None:
         """a1q fp8 [E_l, T, K], a1q_scale f32 [E_l, T, K/128]; expert_num_tokens int32 [E_l];
         output bf16 [E_l, T, K] (valid rows written). expected_m: rows per expert the caller
         expects on average (the masked GEMM's tiling hint), None = T. use_ue8m0: G''s scales
         rounded up to powers of two (the prepare/finalize's use_ue8m0). topk_ids, expert_map,
-        topk_weights and tokens_per_pass are not needed: the combine after the experts weights
+        topk_weights and experts_pass_tokens are not needed: the combine after the experts weights
         and reduces, and every slice is one pass."""
         if activation != "silu":  # (tests/test_ep_kernel.py calls apply directly)
             raise ValueError(f"activation must be 'silu', got {activation!r}")

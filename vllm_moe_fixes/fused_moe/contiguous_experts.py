@@ -18,7 +18,7 @@ Y's columns in ws2 and live through the whole call. The output is the layer's ou
 the start of ws13 (G' is dead once GEMM2 has run). M_sum counts the LOCAL experts
 (ops/permute.py). No allocation per call.
 
-Passes: apply takes what the rank received in passes of at most `tokens_per_pass` tokens (the
+Passes: apply takes what the rank received in passes of at most `experts_pass_tokens` tokens (the
 modular kernel passes VLLM_FUSED_MOE_CHUNK_SIZE, read once per layer call, to workspace_shapes and
 apply alike: the most tokens one pass of the experts takes), so the workspaces are
 sized by that bound and not by the received count, whatever the routing: with high-throughput EP
@@ -143,33 +143,33 @@ class ContiguousExperts(Experts):
         expert_ends: the same layout as int32 [E_l] psum ends (ContiguousLayout.expert_ends), for
         a GEMM that skips the blocks past each expert's slots; None: m_indices only."""
 
-    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, tokens_per_pass=None):
-        """sizes.contiguous_workspace_shapes for M received tokens in passes of tokens_per_pass:
+    def workspace_shapes(self, M, I, K, topk, local_num_experts, *, experts_pass_tokens=None):
+        """sizes.contiguous_workspace_shapes for M received tokens in passes of experts_pass_tokens:
         one pass's workspaces (plus the [M, K] output in ws13 when there are several)."""
-        return contiguous_workspace_shapes(M, I, K, topk, local_num_experts, tokens_per_pass)
+        return contiguous_workspace_shapes(M, I, K, topk, local_num_experts, experts_pass_tokens)
 
     @one_op_when_compiled
     def apply(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2, topk_ids=None,
               expert_map=None, expert_num_tokens=None, topk_weights=None, expected_m=None,
-              tokens_per_pass=None, activation="silu", use_ue8m0=False) -> None:
+              experts_pass_tokens=None, activation="silu", use_ue8m0=False) -> None:
         """output bf16 [M, K] (written: the weighted sum of each token's k expert rows; slots
         with no local expert add 0); topk_weights float32 [M, k] or None (plain sum); a1q fp8
         [M, K] with a1q_scale float32 [M, K/128], or a1q bf16 [M, K] with a1q_scale None (the
         experts quantise it); use_ue8m0: the scales of that quant and of G''s rounded up to
         powers of two (the prepare/finalize's use_ue8m0).
 
-        M tokens are taken in passes of at most tokens_per_pass (module docstring; None: one
+        M tokens are taken in passes of at most experts_pass_tokens (module docstring; None: one
         pass); the workspaces are those workspace_shapes declares for M and the same bound."""
         M = topk_ids.shape[0]
         shared = dict(weights=weights, expert_map=expert_map, workspace13=workspace13,
                       workspace2=workspace2, use_ue8m0=use_ue8m0)
-        if tokens_per_pass is None or M <= tokens_per_pass:
+        if experts_pass_tokens is None or M <= experts_pass_tokens:
             self._apply_pass(output, a1q, a1q_scale, topk_ids, topk_weights, offset13=0,
                              **shared)
             return
         offset13 = M * weights.w2.shape[1]  # one pass's A and G' sit after the [M, K] output
-        for start in range(0, M, tokens_per_pass):
-            rows = slice(start, min(start + tokens_per_pass, M))
+        for start in range(0, M, experts_pass_tokens):
+            rows = slice(start, min(start + experts_pass_tokens, M))
             self._apply_pass(output[rows], a1q[rows],
                              None if a1q_scale is None else a1q_scale[rows], topk_ids[rows],
                              None if topk_weights is None else topk_weights[rows],

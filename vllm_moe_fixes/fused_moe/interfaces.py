@@ -167,14 +167,14 @@ class Experts(ABC):
 
     @abstractmethod
     def workspace_shapes(self, M: int, I: int, K: int, topk: int, local_num_experts: int, *,
-                         tokens_per_pass: int | None = None) -> tuple[tuple[int, ...],
+                         experts_pass_tokens: int | None = None) -> tuple[tuple[int, ...],
                                                                       tuple[int, ...],
                                                                       tuple[int, ...]]:
         """Element shapes (ws13, ws2, out) of the bf16 workspaces and of the experts' output.
 
         M: rows of a1q (STANDARD) or T, rows per expert slice (BATCHED); I: intermediate size
         (w1 [E_l, 2I, K], w2 [E_l, K, I]); K: hidden size; topk: k; local_num_experts: E_l;
-        tokens_per_pass: the most tokens one pass of apply may take (the kernel passes
+        experts_pass_tokens: the most tokens one pass of apply may take (the kernel passes
         VLLM_FUSED_MOE_CHUNK_SIZE, read once per layer call), None = no bound; apply gets the
         same value.
         """
@@ -185,7 +185,7 @@ class Experts(ABC):
               topk_ids: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
               expert_num_tokens: torch.Tensor | None = None,
               topk_weights: torch.Tensor | None = None, expected_m: int | None = None,
-              tokens_per_pass: int | None = None, activation: str = "silu",
+              experts_pass_tokens: int | None = None, activation: str = "silu",
               use_ue8m0: bool = False) -> None:
         """Write output (out_shape, bf16): a view of the start of workspace13's storage, or the
         layer's output when the experts reduce and finalize passes it through.
@@ -197,7 +197,7 @@ class Experts(ABC):
         expert_num_tokens int32 [E_l] (BATCHED); topk_weights float32 [M', k] to weight the slots
         by when the experts reduce (None: plain sum, the weights went on the input); expected_m:
         average rows per local expert the dispatch can produce (BATCHED tiling hint), None =
-        unknown; tokens_per_pass: workspace_shapes' (None = one pass); activation "silu";
+        unknown; experts_pass_tokens: workspace_shapes' (None = one pass); activation "silu";
         use_ue8m0: the scales of the activation quants apply computes, rounded up to powers of
         two (PrepareAndFinalize.use_ue8m0). STANDARD: slots of non-local experts contribute exact
         zeros.
@@ -238,18 +238,18 @@ def _experts_apply(experts: str, output: torch.Tensor, a1q: torch.Tensor,
                    workspace2: torch.Tensor, topk_ids: torch.Tensor | None,
                    expert_map: torch.Tensor | None, expert_num_tokens: torch.Tensor | None,
                    topk_weights: torch.Tensor | None, expected_m: int | None,
-                   tokens_per_pass: int | None, activation: str, use_ue8m0: bool) -> None:
+                   experts_pass_tokens: int | None, activation: str, use_ue8m0: bool) -> None:
     _experts_named(experts).apply(
         output, a1q, a1q_scale, Fp8MoEWeights(w1, w1_scale, w2, w2_scale),
         workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
         expert_map=expert_map, expert_num_tokens=expert_num_tokens, topk_weights=topk_weights,
-        expected_m=expected_m, tokens_per_pass=tokens_per_pass, activation=activation,
+        expected_m=expected_m, experts_pass_tokens=experts_pass_tokens, activation=activation,
         use_ue8m0=use_ue8m0)
 
 
 @_experts_apply.register_fake
 def _(experts, output, a1q, a1q_scale, w1, w1_scale, w2, w2_scale, workspace13, workspace2,
-      topk_ids, expert_map, expert_num_tokens, topk_weights, expected_m, tokens_per_pass,
+      topk_ids, expert_map, expert_num_tokens, topk_weights, expected_m, experts_pass_tokens,
       activation, use_ue8m0) -> None:
     return None  # writes its mutable arguments only
 
@@ -262,12 +262,12 @@ def one_op_when_compiled(apply):
     @functools.wraps(apply)
     def apply_or_op(self, output, a1q, a1q_scale, weights, *, workspace13, workspace2,
                     topk_ids=None, expert_map=None, expert_num_tokens=None, topk_weights=None,
-                    expected_m=None, tokens_per_pass=None, activation="silu",
+                    expected_m=None, experts_pass_tokens=None, activation="silu",
                     use_ue8m0=False) -> None:
         arguments = dict(workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
                          expert_map=expert_map, expert_num_tokens=expert_num_tokens,
                          topk_weights=topk_weights, expected_m=expected_m,
-                         tokens_per_pass=tokens_per_pass, activation=activation,
+                         experts_pass_tokens=experts_pass_tokens, activation=activation,
                          use_ue8m0=use_ue8m0)
         if not torch.compiler.is_compiling():
             apply(self, output, a1q, a1q_scale, weights, **arguments)

@@ -7,7 +7,8 @@ speak the same `ActivationFormat`, asks the experts how much scratch they need
 (`workspace_shapes`) and hands them views of two grow-only buffers that it keeps across calls:
 a second call with the same or a smaller problem allocates no workspace.
 
-    for each chunk of at most VLLM_FUSED_MOE_CHUNK_SIZE tokens (same workspaces every time):
+    for each dispatch chunk (at most VLLM_FUSED_MOE_CHUNK_SIZE tokens, and at most the
+                             prepare/finalize's max_num_tokens_per_rank; same workspaces):
         hidden_states[chunk] --prepare--> a1q, a1q_scale (+ received ids/weights with EP)
             --experts.apply--> [M', K] reduced (or [M', k, K] / [E_l, T, K] unreduced)
             --finalize--> output[chunk]
@@ -67,7 +68,19 @@ class _LayerCall(NamedTuple):
     global_num_experts: int
     expert_map: torch.Tensor | None
     on_input: bool  # apply_router_weight_on_input
-    tokens_per_pass: int  # VLLM_FUSED_MOE_CHUNK_SIZE, read once per call
+    experts_pass_tokens: int  # VLLM_FUSED_MOE_CHUNK_SIZE, read once per call
+
+
+class _ChunkPlan(NamedTuple):
+    """What a chunk of one shape needs (FusedMoEModularKernel._chunk_plan), kept while the
+    Workspaces it came from still holds those views (same object and generation)."""
+
+    workspaces: Workspaces
+    generation: int  # workspaces.generation when planned
+    ws13: weakref.ref  # the views, weakly: a buffer that grows is freed before its successor
+    ws2: weakref.ref
+    fused_out: weakref.ref | None  # the experts' output view; None: the layer's output
+    expected_m: int | None  # the masked GEMM's tiling hint (batched layout); None: standard
 
 
 class FusedMoEModularKernel:
@@ -128,7 +141,7 @@ class FusedMoEModularKernel:
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.workspaces = workspaces if workspaces is not None else Workspaces()
-        self._plans: dict[tuple, tuple] = {}  # see _chunk_plan
+        self._plans: dict[tuple, _ChunkPlan] = {}  # see _chunk_plan
 
     def __call__(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, w1_scale: torch.Tensor,
@@ -190,10 +203,12 @@ class FusedMoEModularKernel:
         most min(VLLM_FUSED_MOE_CHUNK_SIZE, max_tokens_per_rank) on every rank (ValueError
         naming max_tokens_across_ranks otherwise).
 
-        Tokens are processed in chunks of at most VLLM_FUSED_MOE_CHUNK_SIZE (and at most the
-        prepare/finalize's max_num_tokens_per_rank), reusing the same workspaces. A token's
-        output does not depend on the chunking on CPU (bit for bit: every step works row by row
-        and the GEMM references sum each K block exactly). On CUDA the Triton experts run one
+        Tokens are processed in dispatch chunks of at most VLLM_FUSED_MOE_CHUNK_SIZE (and at
+        most the prepare/finalize's max_num_tokens_per_rank), reusing the same workspaces; the
+        experts take what a chunk received in passes of at most VLLM_FUSED_MOE_CHUNK_SIZE
+        tokens (experts_pass_tokens). A token's output does not depend on the chunking on CPU
+        (bit for bit: every step works row by row and the GEMM references sum each K block
+        exactly). On CUDA the Triton experts run one
         tile configuration for every row count, which should give the same bits (a GPU test
         checks it; not yet run); DeepGEMM chooses its tiles by M, so there it is not promised.
         """
@@ -214,7 +229,7 @@ class FusedMoEModularKernel:
         call = _LayerCall(weights=Fp8MoEWeights(w1, w1_scale, w2, w2_scale),
                           global_num_experts=global_num_experts, expert_map=expert_map,
                           on_input=apply_router_weight_on_input,
-                          tokens_per_pass=envs.VLLM_FUSED_MOE_CHUNK_SIZE)
+                          experts_pass_tokens=envs.VLLM_FUSED_MOE_CHUNK_SIZE)
         if torch.is_grad_enabled():  # an inference layer: nothing for autograd to record
             # set_grad_enabled's function form costs half the host time of a no_grad block
             torch.set_grad_enabled(False)
@@ -242,22 +257,24 @@ class FusedMoEModularKernel:
         rank first joins that agreement carrying the refusal, so that every rank of the group
         raises CollectiveRefusal in this call instead of waiting for this one in a dispatch."""
         if self.prepare_finalize.num_dispatchers() > 1:
-            self.prepare_finalize.num_chunks(0, self._pass_tokens(envs.VLLM_FUSED_MOE_CHUNK_SIZE),
-                                             max_tokens_across_ranks, capturing=capturing,
-                                             refusal=refusal)
+            dispatch_chunk_tokens = self._dispatch_chunk_tokens(envs.VLLM_FUSED_MOE_CHUNK_SIZE)
+            self.prepare_finalize.num_chunks(0, dispatch_chunk_tokens, max_tokens_across_ranks,
+                                             capturing=capturing, refusal=refusal)
         raise refusal
 
-    def _pass_tokens(self, tokens_per_pass: int) -> int:
-        """Tokens per pass: VLLM_FUSED_MOE_CHUNK_SIZE capped by max_num_tokens_per_rank."""
+    def _dispatch_chunk_tokens(self, experts_pass_tokens: int) -> int:
+        """The most tokens of this rank one chunk (prepare -> experts -> finalize) takes:
+        the experts' pass (VLLM_FUSED_MOE_CHUNK_SIZE) capped by the dispatch's
+        max_num_tokens_per_rank."""
         capacity = self.prepare_finalize.max_num_tokens_per_rank()
-        return tokens_per_pass if capacity is None else min(tokens_per_pass, capacity)
+        return experts_pass_tokens if capacity is None else min(experts_pass_tokens, capacity)
 
     def _run(self, call: _LayerCall, hidden_states, topk_weights, topk_ids,
              max_tokens_across_ranks, capturing) -> torch.Tensor:
         """The validated call: its chunks, each prepare -> experts -> finalize."""
         M = hidden_states.shape[0]
         pf = self.prepare_finalize
-        chunk = self._pass_tokens(call.tokens_per_pass)
+        chunk = self._dispatch_chunk_tokens(call.experts_pass_tokens)
         num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks, capturing=capturing)
         step = max(chunk, cdiv(M, num_chunks)) if num_chunks else chunk
         output = torch.empty_like(hidden_states)
@@ -284,8 +301,8 @@ class FusedMoEModularKernel:
         standard = experts.activation_format == ActivationFormat.STANDARD
         rows = prep.a1q.shape[0] if standard else prep.a1q.shape[1]
         ws13, ws2, fused_out, expected_m = self._chunk_plan(
-            (rows, I, K, topk, local_num_experts, call.global_num_experts, call.tokens_per_pass,
-             x.device, x.dtype), standard)
+            (rows, I, K, topk, local_num_experts, call.global_num_experts,
+             call.experts_pass_tokens, x.device, x.dtype), standard)
         reduced = experts.reduces_output
         if fused_out is None:
             fused_out = output
@@ -295,7 +312,7 @@ class FusedMoEModularKernel:
                           expert_map=call.expert_map, workspace13=ws13, workspace2=ws2,
                           expert_num_tokens=prep.expert_num_tokens,
                           topk_weights=None if on_input else topk_weights,
-                          expected_m=expected_m, tokens_per_pass=call.tokens_per_pass,
+                          expected_m=expected_m, experts_pass_tokens=call.experts_pass_tokens,
                           **scales)
         if self._finalize_takes_reduced:
             pf.finalize(output, fused_out, topk_weights, topk_ids, on_input,
@@ -305,7 +322,7 @@ class FusedMoEModularKernel:
 
     def _chunk_plan(self, key: tuple, standard: bool) -> tuple:
         """(ws13, ws2, the experts' output view or None for the layer's output, expected_m) of a
-        chunk of key = (rows, I, K, topk, E_l, global_num_experts, tokens_per_pass, device,
+        chunk of key = (rows, I, K, topk, E_l, global_num_experts, experts_pass_tokens, device,
         dtype): what depends on these alone (the experts' workspace_shapes, the workspace views,
         the masked GEMM's expected_m), worked out once per key and kept while the kernel's
         Workspaces keeps those views (same object and generation; a Workspaces shared with
@@ -313,16 +330,17 @@ class FusedMoEModularKernel:
         grows is freed before its successor is allocated, as without plans."""
         plan = self._plans.get(key)
         spaces = self.workspaces
-        if plan is not None and plan[0] is spaces and plan[1] == spaces.generation:
-            ws13, ws2 = plan[2](), plan[3]()
-            fused_out = None if plan[4] is None else plan[4]()
-            if ws13 is not None and ws2 is not None and (plan[4] is None or fused_out is not None):
-                return ws13, ws2, fused_out, plan[5]
-        rows, I, K, topk, local_num_experts, global_num_experts, tokens_per_pass, device, \
+        if plan is not None and plan.workspaces is spaces and plan.generation == spaces.generation:
+            ws13, ws2 = plan.ws13(), plan.ws2()
+            fused_out = None if plan.fused_out is None else plan.fused_out()
+            if ws13 is not None and ws2 is not None and (plan.fused_out is None
+                                                         or fused_out is not None):
+                return ws13, ws2, fused_out, plan.expected_m
+        rows, I, K, topk, local_num_experts, global_num_experts, experts_pass_tokens, device, \
             dtype = key
         pf, experts = self.prepare_finalize, self.experts
         ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(
-            rows, I, K, topk, local_num_experts, tokens_per_pass=tokens_per_pass)
+            rows, I, K, topk, local_num_experts, experts_pass_tokens=experts_pass_tokens)
         ws13, ws2 = spaces.get(ws13_shape, ws2_shape, device, dtype)
         fused_out = None  # the layer's output: the experts reduce, finalize passes it through
         if not (experts.reduces_output and pf.passes_reduced_output_through):
@@ -332,8 +350,10 @@ class FusedMoEModularKernel:
             pf.max_num_tokens_per_rank(), pf.num_dispatchers(), topk, global_num_experts, rows)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-        self._plans[key] = (spaces, spaces.generation, weakref.ref(ws13), weakref.ref(ws2),
-                            None if fused_out is None else weakref.ref(fused_out), expected_m)
+        self._plans[key] = _ChunkPlan(
+            workspaces=spaces, generation=spaces.generation, ws13=weakref.ref(ws13),
+            ws2=weakref.ref(ws2), fused_out=None if fused_out is None else weakref.ref(fused_out),
+            expected_m=expected_m)
         return ws13, ws2, fused_out, expected_m
 
 

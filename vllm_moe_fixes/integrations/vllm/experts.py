@@ -82,7 +82,7 @@ class VllmExperts(mk.FusedMoEExpertsModular):
     _ours: type
     batched: bool = False
     _needs_deep_gemm: bool = False
-    _pending_tokens_per_pass: int | None = None  # workspace_shapes reads it, apply takes it
+    _pending_experts_pass_tokens: int | None = None  # workspace_shapes reads it, apply takes it
     _MAX_CACHED = 64  # workspace shapes and views remembered (vLLM's CUDA graph sizes: ~67)
     # What vLLM's kernel reads on every call, as plain attributes instead of its properties:
     # a2_scale is None (refused otherwise when built); the input comes quantised unless our
@@ -158,19 +158,19 @@ class VllmExperts(mk.FusedMoEExpertsModular):
         its chunk and for the whole call, the same M in vLLM 0.33), then calls apply:
         VLLM_FUSED_MOE_CHUNK_SIZE is read at the first ask and kept for the second and for that
         apply (a read costs microseconds of host time; apply takes it)."""
-        tokens_per_pass = self._pending_tokens_per_pass
-        if tokens_per_pass is None:
-            tokens_per_pass = self._pending_tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
+        experts_pass_tokens = self._pending_experts_pass_tokens
+        if experts_pass_tokens is None:
+            experts_pass_tokens = self._pending_experts_pass_tokens = envs.VLLM_FUSED_MOE_CHUNK_SIZE
         if torch.compiler.is_compiling():  # M is symbolic: a dict lookup would fix its value
             return self.experts.workspace_shapes(M, N // 2, K, topk, local_num_experts,
-                                                 tokens_per_pass=tokens_per_pass)
-        key = (M, N, K, topk, local_num_experts, tokens_per_pass)
+                                                 experts_pass_tokens=experts_pass_tokens)
+        key = (M, N, K, topk, local_num_experts, experts_pass_tokens)
         shapes = self._shapes.get(key)
         if shapes is None:
             if len(self._shapes) >= self._MAX_CACHED:
                 self._shapes.clear()
             shapes = self._shapes[key] = self.experts.workspace_shapes(
-                M, N // 2, K, topk, local_num_experts, tokens_per_pass=tokens_per_pass)
+                M, N // 2, K, topk, local_num_experts, experts_pass_tokens=experts_pass_tokens)
         return shapes
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
@@ -186,10 +186,10 @@ class VllmExperts(mk.FusedMoEExpertsModular):
                 a1q_scale=a1q_scale, a2_scale=a2_scale, workspace13=workspace13,
                 workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
                 apply_router_weight_on_input=apply_router_weight_on_input))
-        tokens_per_pass = self._pending_tokens_per_pass
-        self._pending_tokens_per_pass = None
-        if tokens_per_pass is None:  # called without workspace_shapes before it
-            tokens_per_pass = envs.VLLM_FUSED_MOE_CHUNK_SIZE
+        experts_pass_tokens = self._pending_experts_pass_tokens
+        self._pending_experts_pass_tokens = None
+        if experts_pass_tokens is None:  # called without workspace_shapes before it
+            experts_pass_tokens = envs.VLLM_FUSED_MOE_CHUNK_SIZE
         if self._workspaces_kept_by_vllm and not torch.compiler.is_compiling():
             workspace13, workspace2 = self._stable_workspaces(workspace13, workspace2)
         self._apply_ours(output, hidden_states, self._checked_weights(hidden_states, w1, w2),
@@ -198,7 +198,7 @@ class VllmExperts(mk.FusedMoEExpertsModular):
                          a1q_scale=a1q_scale, workspace13=workspace13, workspace2=workspace2,
                          expert_tokens_meta=expert_tokens_meta,
                          apply_router_weight_on_input=apply_router_weight_on_input,
-                         tokens_per_pass=tokens_per_pass)
+                         experts_pass_tokens=experts_pass_tokens)
 
     def _apply_on_inputs_device(self, args: dict) -> None:
         """``apply(**args)`` in workspaces and an output on the inputs' device, then the output
@@ -282,7 +282,7 @@ class _ContiguousExperts(VllmExperts):
 
     def _apply_ours(self, output, hidden_states, weights, topk_weights, topk_ids,
                     global_num_experts, expert_map, a1q_scale, workspace13, workspace2,
-                    expert_tokens_meta, apply_router_weight_on_input, tokens_per_pass) -> None:
+                    expert_tokens_meta, apply_router_weight_on_input, experts_pass_tokens) -> None:
         """output bf16 [M, K] <- sum over the k slots of weight * expert(hidden_states); slots
         whose expert is not local (expert_map -1, or id -1) add 0. hidden_states fp8 [M, K],
         a1q_scale f32 [M, K/128]; topk_ids int32/int64 [M, k] global ids; expert_map int32 [E]
@@ -291,7 +291,7 @@ class _ContiguousExperts(VllmExperts):
                            workspace13=workspace13, workspace2=workspace2, topk_ids=topk_ids,
                            expert_map=expert_map,
                            topk_weights=None if apply_router_weight_on_input else topk_weights,
-                           tokens_per_pass=tokens_per_pass, use_ue8m0=self.use_ue8m0)
+                           experts_pass_tokens=experts_pass_tokens, use_ue8m0=self.use_ue8m0)
 
 
 class _BatchedExperts(VllmExperts):
@@ -308,7 +308,7 @@ class _BatchedExperts(VllmExperts):
 
     def _apply_ours(self, output, hidden_states, weights, topk_weights, topk_ids,
                     global_num_experts, expert_map, a1q_scale, workspace13, workspace2,
-                    expert_tokens_meta, apply_router_weight_on_input, tokens_per_pass) -> None:
+                    expert_tokens_meta, apply_router_weight_on_input, experts_pass_tokens) -> None:
         """output bf16 [E_l, T, K] (valid rows written) from hidden_states fp8 [E_l, T, K],
         a1q_scale f32 [E_l, T, K/128] and expert_tokens_meta.expert_num_tokens int32 [E_l]."""
         if expert_tokens_meta is None or expert_tokens_meta.expert_num_tokens is None:
@@ -319,7 +319,7 @@ class _BatchedExperts(VllmExperts):
         self.experts.apply(output, hidden_states, a1q_scale, weights,
                            workspace13=workspace13, workspace2=workspace2,
                            expert_num_tokens=expert_tokens_meta.expert_num_tokens,
-                           expected_m=expected_m, tokens_per_pass=tokens_per_pass,
+                           expected_m=expected_m, experts_pass_tokens=experts_pass_tokens,
                            use_ue8m0=self.use_ue8m0)
 
 
