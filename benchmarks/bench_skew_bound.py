@@ -89,7 +89,7 @@ def bench_routing(name, make_experts, w, emap, M, skewed, passes_list):
         if one_pass is None:
             one_pass = (us, result)
         rows.append(dict(backend=name, routing="skewed" if skewed else "balanced", M=M,
-                         local_slots=local_slots, passes=passes, tokens_per_pass=int(os.environ[
+                         local_slots=local_slots, passes=passes, experts_pass_tokens=int(os.environ[
                              CHUNK]), us=us, slower=us / one_pass[0] - 1,
                          peak_MiB=peak.bytes / 2**20, declared_MiB=declared / 2**20,
                          bits=bool(torch.equal(result, one_pass[1]))))

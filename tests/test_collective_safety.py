@@ -47,7 +47,7 @@ from vllm_moe_fixes.fused_moe import (
 
 CASE_TIMEOUT_S = 10   # a case that has not answered by then hangs: killed and failed
 ANSWER_WITHIN_S = 5   # each rank's error must come within this of its call's start
-CHUNK = 4             # tokens per pass
+CHUNK = 4             # tokens per dispatch chunk
 E, K_TOP = 8, 2       # experts, top-k
 H_STANDARD, H_LL = 256, 2048  # hidden sizes: high-throughput and V2; low-latency
 REFUSING_RANK = 1
@@ -194,9 +194,9 @@ def test_different_max_tokens_across_ranks_is_an_error_on_every_rank(worker, wor
 
 
 def _chunk_size_changed_on_one_rank(rank, world):
-    """Two calls with max_tokens_across_ranks = 2 * CHUNK: the first at CHUNK tokens per pass on
-    every rank (two passes), the second after REFUSING_RANK alone halved its chunk size (four
-    passes there, two elsewhere)."""
+    """Two calls with max_tokens_across_ranks = 2 * CHUNK: the first at CHUNK tokens per dispatch
+    chunk on every rank (two passes), the second after REFUSING_RANK alone halved its chunk size
+    (four passes there, two elsewhere)."""
     os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"] = str(CHUNK)
     xs, ids, ws = make_problem(41, [2 * CHUNK - 1] * world, E, K_TOP, H_STANDARD)
     full, local = _weights(rank, world, H_STANDARD, 41)

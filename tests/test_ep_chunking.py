@@ -24,7 +24,7 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
 )
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 
-CHUNK = 4                          # tokens per pass (LL: max_tokens_per_rank; HT: VLLM_FUSED_MOE_CHUNK_SIZE)
+CHUNK = 4                          # dispatch chunk (LL: max_tokens_per_rank; HT: VLLM_FUSED_MOE_CHUNK_SIZE)
 TOKENS = [13, 0, 3, 9]             # per rank (the first `world`): several chunks, none, < 1 chunk
 E, K_TOP = 8, 2
 

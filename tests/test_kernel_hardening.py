@@ -344,7 +344,7 @@ def test_gemm_references_give_a_row_the_same_bits_in_any_batch():
 
 
 def _ll_batch_invariance_worker(rank, world):
-    """The low-latency layer at world size 1: four tokens per pass against all in one pass."""
+    """The low-latency layer at world size 1: dispatch chunks of four tokens against one chunk."""
     hidden = 2048
     xs, ids, ws = make_rank_problems(50, [9], E, K_TOP, hidden)
     full = make_weights(50, E, hidden, "cpu")

@@ -62,8 +62,8 @@ def test_minus_one_ids_contribute_nothing():
 
 @pytest.mark.parametrize("chunk,M", [(5, 23), (1, 4), (7, 7), (16, 3)])
 def test_chunked_call_matches_one_pass(chunk, M, monkeypatch):
-    """VLLM_FUSED_MOE_CHUNK_SIZE caps the tokens per pass; the output matches the reference and
-    one pass, and the workspaces are sized for one chunk."""
+    """VLLM_FUSED_MOE_CHUNK_SIZE caps the tokens per dispatch chunk; the output matches the
+    reference and one pass, and the workspaces are sized for one chunk."""
     p = make_problem(M, 3, 8, 128, 256, local=[0, 3, 4, 6], seed=chunk * 10 + M)
     one_pass = run(new_kernel(), p, 8)
     monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", str(chunk))

@@ -19,7 +19,7 @@ def test_plan_models_the_experts_bound_zero_vs_random_ids():
     receives all 262144 tokens. In one pass its experts need 14.4 + 28.0 GiB of workspaces; in
     passes of 8192 tokens ws2 is one pass's and ws13 one pass's plus the [262144, K] output."""
     plan = make_plan(R1, dp=32, max_tokens=8192, backend="deepep_high_throughput")
-    assert plan["experts_tokens_per_pass"] == 8192 and plan["pass_tokens"] == 8192
+    assert plan["experts_pass_tokens"] == 8192 and plan["dispatch_chunk_tokens"] == 8192
     zero, random = plan["loads"]["zero"], plan["loads"]["random"]
     assert zero["busiest_tokens"] == 262144
     one = zero["one_pass"]["layer_bytes"]
@@ -43,13 +43,13 @@ def test_plan_models_the_experts_bound_zero_vs_random_ids():
 def test_plan_bound_follows_the_chunk_size_and_the_caller_passes(monkeypatch):
     monkeypatch.setenv("VLLM_FUSED_MOE_CHUNK_SIZE", "4096")
     plan = make_plan(R1, dp=32, max_tokens=16384, backend="naive")
-    assert plan["experts_tokens_per_pass"] == plan["pass_tokens"] == 4096
+    assert plan["experts_pass_tokens"] == plan["dispatch_chunk_tokens"] == 4096
     assert plan["group_tokens"] == 32 * 4096  # one pass of the layer: 4096 tokens per rank
     assert plan["loads"]["zero"]["busiest_tokens"] == 32 * 4096
     ws13, ws2, _ = contiguous_workspace_shapes(32 * 4096, 2048, 7168, 8, 8, 4096)
     assert plan["loads"]["zero"]["layer_bytes"]["workspace2"] == 2 * ws2[0] * ws2[1]
     assert plan["loads"]["zero"]["layer_bytes"]["layer_output"] == 16384 * 7168 * 2
-    assert "4 pass(es) of 4096 tokens per rank" in format_plan(plan)
+    assert "4 dispatch chunk(s) of 4096 tokens per rank" in format_plan(plan)
 
 
 def test_plan_bound_changes_nothing_below_it_and_the_batched_layout_needs_none():
@@ -57,7 +57,7 @@ def test_plan_bound_changes_nothing_below_it_and_the_batched_layout_needs_none()
     assert small["busiest_tokens"] <= 8192
     assert small["layer_bytes"] == small["one_pass"]["layer_bytes"]
     ll = make_plan(R1, dp=32, max_tokens=128, backend="deepep_low_latency")
-    assert ll["experts_tokens_per_pass"] is None
+    assert ll["experts_pass_tokens"] is None
     for inputs in ("zero", "random"):
         assert ll["loads"][inputs]["layer_bytes"] == ll["loads"][inputs]["one_pass"]["layer_bytes"]
     assert ll["loads"]["zero"]["layer_bytes"] == ll["loads"]["random"]["layer_bytes"]

@@ -25,7 +25,7 @@ sample is a slight over-estimate. All-zero ids are exact at any sample size.
 Passes: the modular kernel runs a rank's ``max_tokens`` in passes of at most
 ``VLLM_FUSED_MOE_CHUNK_SIZE`` tokens (one dispatch each), so the loads are those of one pass of
 ``ep * min(max_tokens, VLLM_FUSED_MOE_CHUNK_SIZE)`` tokens. The contiguous experts take what a rank
-received in passes of at most ``VLLM_FUSED_MOE_CHUNK_SIZE`` tokens too (``experts_tokens_per_pass``)
+received in passes of at most ``VLLM_FUSED_MOE_CHUNK_SIZE`` tokens too (``experts_pass_tokens``)
 so their workspaces do not grow with the received count; the plan shows the memory with that
 bound and, beside it (``one_pass``), what experts that take all received tokens in one pass need.
 The batched layout needs no such bound: its workspaces are sized by the capacity T = ep *
@@ -178,13 +178,13 @@ def simulate_loads(router: SimulatedRouter, *, ep: int, num_tokens: int, inputs:
 
 def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_num_experts: int,
            group_tokens: int, max_tokens: int,
-           tokens_per_pass: int | None) -> tuple[dict[str, int], dict]:
+           experts_pass_tokens: int | None) -> tuple[dict[str, int], dict]:
     """(bytes of one layer's allocations, the largest kernel tensor) at a rank receiving ``tokens``.
 
     Allocations: the received rows (FP8 with float32 1x128 scales), the two bf16 workspaces of
     ``vllm_moe_fixes.sizes`` (the experts' output lives inside ws13) and the bf16 [max_tokens, K]
     result. Standard layout: ``tokens`` received rows of k slots, M_sum GEMM rows of one pass of
-    at most ``tokens_per_pass`` tokens (None: all in one pass); batched layout: T =
+    at most ``experts_pass_tokens`` tokens (None: all in one pass); batched layout: T =
     ``group_tokens`` rows per local expert slice whatever the routing.
 
     The largest tensor a kernel indexes is the GEMM1 output [rows, 2I], the GEMM2 output
@@ -197,7 +197,7 @@ def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_num_experts: 
         recv = rows = ws13[0] * ws13[1]  # E_l * T
     else:
         ws13, ws2, _ = contiguous_workspace_shapes(tokens, I, K, k, local_num_experts,
-                                                   tokens_per_pass)
+                                                   experts_pass_tokens)
         recv, rows = tokens, ws13[0]  # M_sum
     layer = {"recv_x": recv * K * FP8_BYTES + recv * cdiv(K, SCALE_BLOCK) * F32_BYTES,
              "workspace13": math.prod(ws13) * BF16_BYTES,
@@ -292,18 +292,18 @@ def _size_buffers(cfg: MoEModelConfig, backend: str, ep: int, max_tokens: int) -
 
 def _compute_loads(cfg: MoEModelConfig, sims: dict, *, layout: str, local_num_experts: int,
                    group_tokens: int, max_tokens: int, fixed_bytes: int,
-                   tokens_per_pass: int | None) -> dict:
+                   experts_pass_tokens: int | None) -> dict:
     """Per input kind: the busiest rank's load, one layer's allocations at the rank receiving the
     most tokens (memory grows with the tokens received) and its memory (``fixed_bytes`` of weights
-    and buffers + the layer), with the experts' bound ``tokens_per_pass`` and, under
+    and buffers + the layer), with the experts' bound ``experts_pass_tokens`` and, under
     ``one_pass``, without it."""
     loads = {}
     for inputs, sim in sims.items():
         kwargs = dict(layout=layout, tokens=int(sim.tokens.max()),
                       local_num_experts=local_num_experts, group_tokens=group_tokens,
                       max_tokens=max_tokens)
-        layer, largest = _layer(cfg, **kwargs, tokens_per_pass=tokens_per_pass)
-        one_pass, one_pass_largest = _layer(cfg, **kwargs, tokens_per_pass=None)
+        layer, largest = _layer(cfg, **kwargs, experts_pass_tokens=experts_pass_tokens)
+        one_pass, one_pass_largest = _layer(cfg, **kwargs, experts_pass_tokens=None)
         busiest = int(np.argmax(sim.slots))
         mean = float(sim.slots.mean())
         loads[inputs] = {
@@ -395,9 +395,10 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
         seed: routing simulation seed (int >= 0).
 
     Returns a dict with keys: model, dp, ep, max_tokens, backend, layout, gpu_memory_gib,
-    local_experts, pass_tokens (tokens per rank per pass of the layer: min(max_tokens,
-    VLLM_FUSED_MOE_CHUNK_SIZE)), experts_tokens_per_pass (the contiguous experts' bound, None for
-    the batched layout), group_tokens (of one pass: ep * pass_tokens), simulated_tokens, seed,
+    local_experts, dispatch_chunk_tokens (tokens per rank per dispatch chunk of the layer:
+    min(max_tokens, VLLM_FUSED_MOE_CHUNK_SIZE)), experts_pass_tokens (the contiguous experts'
+    inner-pass bound, None for the batched layout), group_tokens (of one dispatch chunk:
+    ep * dispatch_chunk_tokens), simulated_tokens, seed,
     inputs_in_effect, loads (per input kind: busiest_rank, busiest_slots, mean_slots, imbalance,
     busiest_tokens, slots_per_rank, layer_bytes, memory_bytes, largest_tensor, and one_pass:
     layer_bytes, memory_bytes, largest_tensor of experts without the bound), weight_bytes,
@@ -408,28 +409,29 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
     start = time.perf_counter()
     ep, max_tokens, backend = _check_arguments(dp, ep, max_tokens, backend, gpu_memory_gib, seed)
     chunk = envs.VLLM_FUSED_MOE_CHUNK_SIZE
-    pass_tokens = min(max_tokens, chunk)
+    dispatch_chunk_tokens = min(max_tokens, chunk)
     router = SimulatedRouter(cfg, seed)
     # simulate_loads raises first when ep does not divide the expert count.
-    sims = {inputs: simulate_loads(router, ep=ep, num_tokens=ep * pass_tokens, inputs=inputs)
+    sims = {inputs: simulate_loads(router, ep=ep, num_tokens=ep * dispatch_chunk_tokens,
+                                   inputs=inputs)
             for inputs in INPUTS}
     deepep, cannot_serve = _size_buffers(cfg, backend, ep, max_tokens)
     local_num_experts = cfg.num_experts // ep
     layout = "batched" if backend == "deepep_low_latency" and ep > 1 else "standard"
-    tokens_per_pass = chunk if layout == "standard" else None
+    experts_pass_tokens = chunk if layout == "standard" else None
     weight_bytes = _weight_bytes(cfg, local_num_experts)
     loads = _compute_loads(cfg, sims, layout=layout, local_num_experts=local_num_experts,
                            group_tokens=ep * max_tokens, max_tokens=max_tokens,
                            fixed_bytes=weight_bytes + deepep["buffer_bytes"],
-                           tokens_per_pass=tokens_per_pass)
+                           experts_pass_tokens=experts_pass_tokens)
     flags = _raise_flags(cfg, loads, deepep, cannot_serve, ep=ep, max_tokens=max_tokens,
                          gpu_memory_gib=gpu_memory_gib, backend=backend)
     return {
         "model": cfg.to_dict(), "dp": dp, "ep": ep, "max_tokens": max_tokens, "backend": backend,
         "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_num_experts,
-        "pass_tokens": pass_tokens, "experts_tokens_per_pass": tokens_per_pass,
-        "group_tokens": ep * pass_tokens,
-        "simulated_tokens": min(ep * pass_tokens, SAMPLE_TOKENS), "seed": seed,
+        "dispatch_chunk_tokens": dispatch_chunk_tokens, "experts_pass_tokens": experts_pass_tokens,
+        "group_tokens": ep * dispatch_chunk_tokens,
+        "simulated_tokens": min(ep * dispatch_chunk_tokens, SAMPLE_TOKENS), "seed": seed,
         "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",
         "loads": loads, "weight_bytes": weight_bytes, "buffer_bytes": deepep["buffer_bytes"],
         "deepep": deepep, "flags": flags, "notes": _notes(loads),
@@ -458,7 +460,7 @@ def format_plan(plan: dict) -> str:
     z, r = plan["loads"]["zero"], plan["loads"]["random"]
     sampled = (" (a sample: the random busiest/mean is an over-estimate)"
                if plan["simulated_tokens"] < plan["group_tokens"] else "")
-    passes = cdiv(plan["max_tokens"], plan["pass_tokens"])
+    passes = cdiv(plan["max_tokens"], plan["dispatch_chunk_tokens"])
     lines = [
         f"model {m['name']}: K={m['hidden_size']} I={m['moe_intermediate_size']} "
         f"E={m['num_experts']} top-{m['top_k']} {m['scoring']}"
@@ -468,8 +470,9 @@ def format_plan(plan: dict) -> str:
          f"backend={plan['backend']} ({plan['layout']} layout) "
          f"experts/rank={plan['local_experts']} "
          f"budget={plan['gpu_memory_gib']:g} GiB"),
-        (f"{passes} pass(es) of {plan['pass_tokens']} tokens per rank (VLLM_FUSED_MOE_CHUNK_SIZE); "
-         f"simulated {plan['simulated_tokens']} of one pass's {plan['group_tokens']} tokens "
+        (f"{passes} dispatch chunk(s) of {plan['dispatch_chunk_tokens']} tokens per rank "
+         f"(VLLM_FUSED_MOE_CHUNK_SIZE); simulated {plan['simulated_tokens']} of one chunk's "
+         f"{plan['group_tokens']} tokens "
          f"(seed {plan['seed']}){sampled}; dummy ids in effect now: {plan['inputs_in_effect']}"),
         "",
     ]
@@ -492,7 +495,7 @@ def format_plan(plan: dict) -> str:
     row("most tokens received", z["busiest_tokens"], r["busiest_tokens"])
     row("expert weights (all layers)", _gib(plan["weight_bytes"]), _gib(plan["weight_bytes"]))
     row("all-to-all buffer footprint", _gib(plan["buffer_bytes"]), _gib(plan["buffer_bytes"]))
-    bound = plan["experts_tokens_per_pass"]
+    bound = plan["experts_pass_tokens"]
     if bound is None:
         memory("batched layout (bounded by its capacity, any routing):", z, r)
     else:

@@ -140,20 +140,21 @@ def raise_verdict(verdict: int, group_size: int, rank: int,
 
 
 def chunk_size_mismatch(values: str) -> ValueError:
-    """The error of ranks whose tokens per pass differ (values: which ranks have which)."""
-    return ValueError(f"VLLM_FUSED_MOE_CHUNK_SIZE differs across the ranks: tokens per pass "
-                      f"{values} (a low-latency pass is also capped by max_tokens_per_rank), so "
-                      "their pass counts differ; set it to one value on every rank")
+    """The error of ranks whose dispatch chunks differ (values: which ranks have which)."""
+    return ValueError(f"VLLM_FUSED_MOE_CHUNK_SIZE differs across the ranks: tokens per dispatch "
+                      f"chunk {values} (a low-latency chunk is also capped by "
+                      "max_tokens_per_rank), so their pass counts differ; set it to one value on "
+                      "every rank")
 
 
 class PassStamp(NamedTuple):
     """Which pass of which plan a dispatch belongs to, compared across the ranks in the count
     exchange of every torch-buffer dispatch (all zeros: a dispatch outside a layer call)."""
 
-    index: int            # this pass, from 0
-    passes: int           # the call's pass count
-    tokens_per_pass: int  # VLLM_FUSED_MOE_CHUNK_SIZE, capped by max_tokens_per_rank
-    max_tokens: int       # max_tokens_across_ranks as given or agreed; 0: one captured pass
+    index: int                  # this pass, from 0
+    passes: int                 # the call's pass count
+    dispatch_chunk_tokens: int  # VLLM_FUSED_MOE_CHUNK_SIZE, capped by max_tokens_per_rank
+    max_tokens: int             # max_tokens_across_ranks as given or agreed; 0: one captured pass
 
 
 NO_STAMP = PassStamp(0, 0, 0, 0)
@@ -195,8 +196,8 @@ def check_same_pass(stamps: list[list[int]]) -> None:
     if len(set(max_tokens)) > 1:
         raise ValueError(
             f"max_tokens_across_ranks differs across the ranks: {_by_value(max_tokens)}, giving "
-            f"pass counts {_by_value(passes)} ({tokens[0]} tokens per pass); pass the same "
-            "value, the largest M of the group's ranks, on every rank")
+            f"pass counts {_by_value(passes)} ({tokens[0]} tokens per dispatch chunk); pass the "
+            "same value, the largest M of the group's ranks, on every rank")
     raise ValueError(f"the ranks are at different passes of a layer call: pass index "
                      f"{_by_value(index)} of {_by_value(passes)} passes (a call refused on some "
                      "ranks only, or a dispatch outside the layer's passes)")

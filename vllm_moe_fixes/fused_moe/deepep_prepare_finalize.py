@@ -97,9 +97,9 @@ def group_max_tokens(group: dist.ProcessGroup | None, num_tokens: int,
     host (a device synchronisation on NCCL; the values go to the device by an asynchronous copy
     from pinned memory, no pageable copy).
 
-    chunk_size: this rank's tokens per pass, agreed in the same all-reduce; ranks that differ all
-    raise a ValueError naming VLLM_FUSED_MOE_CHUNK_SIZE and both values (their pass counts
-    would differ, and their dispatches fall out of step until the group times out).
+    chunk_size: this rank's tokens per dispatch chunk, agreed in the same all-reduce; ranks
+    that differ all raise a ValueError naming VLLM_FUSED_MOE_CHUNK_SIZE and both values (their
+    pass counts would differ, and their dispatches fall out of step until the group times out).
 
     refusal: this rank's error for the call, or None. It rides in the same all-reduce as a
     verdict (collectives.encode_verdict), so that every rank raises CollectiveRefusal when any
@@ -234,7 +234,7 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
         if plan.index < plan.passes:
             self.buffer.pass_stamp = plan
             # positional: NamedTuple._replace costs twice as much per pass
-            self._plan = PassStamp(plan.index + 1, plan.passes, plan.tokens_per_pass,
+            self._plan = PassStamp(plan.index + 1, plan.passes, plan.dispatch_chunk_tokens,
                                    plan.max_tokens)
         else:
             self.buffer.pass_stamp = NO_STAMP

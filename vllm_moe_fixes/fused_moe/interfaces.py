@@ -120,7 +120,7 @@ class PrepareAndFinalize(ABC):
 
     def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None,
                    *, capturing: bool = False, refusal: BaseException | None = None) -> int:
-        """Passes of the experts for a call of num_tokens tokens, at most chunk_size per pass.
+        """Dispatch chunks for a call of num_tokens tokens, at most chunk_size tokens each.
 
         Every rank of an expert-parallel group must return the same number (each pass is one
         dispatch and one combine); a rank with fewer tokens runs empty passes. capturing: a CUDA

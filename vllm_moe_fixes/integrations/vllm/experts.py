@@ -107,7 +107,7 @@ class VllmExperts(mk.FusedMoEExpertsModular):
         self.use_ue8m0 = vllm_rounds_scales_to_ue8m0()
         self._weights = None  # the Fp8MoEWeights last checked (one layer: one pair, checked once)
         self._own_workspaces = None  # where vLLM's are on another device than the inputs
-        self._shapes = {}  # workspace_shapes' answers by (M, N, K, topk, E_l, tokens per pass)
+        self._shapes = {}  # workspace_shapes' answers by (M, N, K, topk, E_l, experts_pass_tokens)
         # vLLM's kernel takes workspaces from its WorkspaceManager on every platform but the CPU,
         # where it allocates them per call (_stable_workspaces keeps nothing there).
         self._workspaces_kept_by_vllm = not current_platform.is_cpu()
