@@ -1,7 +1,7 @@
-"""The README against the code: public names import from where users import them, every name and
-path the README mentions exists, its Layout section lists every module, its environment table says
-what the registry says, and its python examples run. Also: no file of the repository points the
-reader to a markdown file the repository does not hold."""
+"""The README and docs/ against the code: public names import from where users import them, every
+name and path they mention exists, the Layout section of docs/design.md lists every module, the
+README's environment table says what the registry says, and their python examples run. Also: no
+file of the repository points the reader to a markdown file the repository does not hold."""
 
 import builtins
 import importlib
@@ -18,8 +18,12 @@ from vllm_moe_fixes import envs
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vllm_moe_fixes"
 README = (ROOT / "README.md").read_text()
+# The pages a user reads: the README and docs/*.md (design notes, figures).
+PAGES = {"README.md": README, **{f"docs/{p.name}": p.read_text()
+                                 for p in sorted((ROOT / "docs").glob("*.md"))}}
+DESIGN = PAGES["docs/design.md"]
 # The repository's own directories (a checkout may hold others, such as sources of dependencies).
-REPO_DIRS = ("vllm_moe_fixes", "tests", "benchmarks", ".ci")
+REPO_DIRS = ("vllm_moe_fixes", "tests", "benchmarks", "docs", ".ci")
 
 PUBLIC = {
     "vllm_moe_fixes.ops": ["per_token_group_quant_fp8", "moe_sum", "silu_and_mul",
@@ -40,14 +44,14 @@ FOREIGN_CLASSES = {"Buffer"}
 
 
 def _section(title: str) -> str:
-    """The README text under `## title`, up to the next `## ` heading."""
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, re.M | re.S)
-    assert match, f"README has no '## {title}' section"
+    """The text of docs/design.md under `## title`, up to the next `## ` heading."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", DESIGN, re.M | re.S)
+    assert match, f"docs/design.md has no '## {title}' section"
     return match.group(1)
 
 
 def _backticked() -> list[str]:
-    return re.findall(r"`([^`\n]+)`", README)
+    return [name for text in PAGES.values() for name in re.findall(r"`([^`\n]+)`", text)]
 
 
 def _resolve(dotted: str):
@@ -97,7 +101,7 @@ def test_readme_class_names_import():
              if (m := re.match(r"([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)(?:\(|$)", text))}
     missing = [n for n in sorted(names - FOREIGN_CLASSES) if not hasattr(builtins, n)
                and not any(n in getattr(m, "__all__", ()) for m in modules)]
-    assert not missing, f"README names classes no public package exports: {missing}"
+    assert not missing, f"README or docs/ name classes no public package exports: {missing}"
 
 
 def test_readme_paths_exist():
@@ -105,7 +109,7 @@ def test_readme_paths_exist():
     paths = [t for t in _backticked() if re.fullmatch(r"[\w.*-]+/[\w./*-]*", t)]
     assert paths
     missing = [p for p in paths if not any(ROOT.glob(p.rstrip("/")))]
-    assert not missing, f"README names paths the repository does not hold: {missing}"
+    assert not missing, f"README or docs/ name paths the repository does not hold: {missing}"
 
 
 # ---------------------------------------------------------------- Layout section
@@ -128,14 +132,14 @@ def test_readme_layout_lists_every_module():
                and not re.search(rf"(?<![\w.]){re.escape(p.name)}(?!\w)", layout)]
     missing += [f"{p.parent}/" for p in _package_modules() if p.name == "__init__.py"
                 and p.parent != Path(".") and f"{p.parent.name}/" not in layout]
-    assert not missing, f"README Layout section does not list: {missing}"
+    assert not missing, f"docs/design.md Layout section does not list: {missing}"
 
 
 def test_readme_layout_names_only_existing_files():
     """Every file name in the Layout section exists in the repository (no stale entries)."""
     existing = {p.name for p in _repo_files()}
     named = set(re.findall(r"[\w-]+\.(?:py|json|log|toml|md)\b", _section("Layout")))
-    assert not named - existing, f"README Layout names missing files: {sorted(named - existing)}"
+    assert not named - existing, f"docs/design.md Layout names missing files: {sorted(named - existing)}"
 
 
 # ---------------------------------------------------------------- no pointers outside the repo
@@ -172,15 +176,19 @@ def test_readme_environment_table_matches_registry():
         assert row in README, f"README row out of date for {var.name}:\n{row}"
 
 
-def _readme_python_blocks():
-    return [block.split("```", 1)[0] for block in README.split("```python\n")[1:]]
+def _python_blocks() -> list[tuple[str, str]]:
+    """(page, code) of every python block of the README and docs/."""
+    return [(page, block.split("```", 1)[0]) for page, text in PAGES.items()
+            for block in text.split("```python\n")[1:]]
 
 
-@pytest.mark.parametrize("index", range(len(_readme_python_blocks())))
-def test_readme_examples_run(index, tmp_path):
-    """Every python block of the README runs as written (each in its own process, on CPU)."""
+@pytest.mark.parametrize("page,code", _python_blocks(),
+                         ids=[f"{page}-{i}" for i, (page, _) in enumerate(_python_blocks())])
+def test_readme_examples_run(page, code, tmp_path):
+    """Every python block of the README and docs/ runs as written (each in its own process, on
+    CPU)."""
     script = tmp_path / "example.py"
-    script.write_text(_readme_python_blocks()[index])
+    script.write_text(code)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
