@@ -28,7 +28,7 @@ import torch
 
 from vllm_moe_fixes._validate import check, check_positive_int
 
-__all__ = ["ExpertPlacement", "route_reference"]
+__all__ = ["ExpertPlacement", "route_ids", "route_reference"]
 
 
 def _as_physical_to_logical(physical_to_logical) -> torch.Tensor:
@@ -174,28 +174,34 @@ class ExpertPlacement:
     __hash__ = None
 
     def route(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Physical ids for logical `topk_ids`.
+        """Physical ids for logical `topk_ids` (`route_ids` with this placement's tables)."""
+        return route_ids(topk_ids, self.logical_to_physical, self.replica_count)
 
-        Arguments:
-            topk_ids: `[num_tokens, topk]` with an integer dtype, logical ids in [0, num_logical)
-                or -1 (no expert). Not checked here (a check would sync the host); the caller
-                validates them.
 
-        Returns:
-            `[num_tokens, topk]` with `topk_ids.dtype`: each id's replica (see the module
-            docstring); -1 stays -1. Device tensor ops only: no host sync, capturable in a CUDA
-            graph once the placement is on the ids' device (``to``).
-        """
-        flat = topk_ids.reshape(-1).long()
-        valid = flat >= 0
-        # -1 ids count in a bin of their own (E) so they neither shift nor take a replica.
-        logical = torch.where(valid, flat, self.num_logical)
-        occurrence = _occurrence(logical, self.num_logical + 1)
-        safe = torch.where(valid, flat, 0)
-        replica = (occurrence + safe) % self.replica_count[safe]
-        physical = self.logical_to_physical[safe, replica]
-        physical = torch.where(valid, physical, -1)
-        return physical.view(topk_ids.shape).to(topk_ids.dtype)
+def route_ids(topk_ids: torch.Tensor, logical_to_physical: torch.Tensor,
+              replica_count: torch.Tensor) -> torch.Tensor:
+    """Physical ids for logical `topk_ids`: the k-th occurrence of logical expert e (row-major)
+    goes to ``logical_to_physical[e, (k + e) % replica_count[e]]``.
+
+    Arguments:
+        topk_ids: `[num_tokens, topk]` with an integer dtype, logical ids in [0, E) or -1 (no
+            expert). Not checked here (a check would sync the host); the caller validates them.
+        logical_to_physical: `[E, width]` with `torch.int64` on the ids' device, each row's
+            first replica_count[e] entries the replicas (any padding after them).
+        replica_count: `[E]` with `torch.int64` on the ids' device, each >= 1.
+
+    Returns:
+        `[num_tokens, topk]` with `topk_ids.dtype`; -1 stays -1. Device tensor ops only: no host
+        sync, capturable in a CUDA graph.
+    """
+    num_logical = replica_count.numel()
+    flat = topk_ids.reshape(-1).long()
+    valid = flat >= 0
+    # -1 ids count in a bin of their own (E) so that they neither shift nor take a replica.
+    occurrence = _occurrence(torch.where(valid, flat, num_logical), num_logical + 1)
+    safe = torch.where(valid, flat, 0)
+    physical = logical_to_physical[safe, (occurrence + safe) % replica_count[safe]]
+    return torch.where(valid, physical, -1).view(topk_ids.shape).to(topk_ids.dtype)
 
 
 def route_reference(placement: ExpertPlacement, topk_ids: torch.Tensor) -> torch.Tensor:
