@@ -117,3 +117,51 @@ def test_compat_without_deep_gemm(monkeypatch):
         with pytest.raises(ImportError,  # MissingLibraryError, as for a missing DeepEP
                            match="VLLM_USE_DEEP_GEMM.*DeepGEMM|DeepGEMM.*VLLM_USE_DEEP_GEMM"):
             call()
+
+
+def test_pdl_set_for_the_block_and_restored(monkeypatch):
+    """pdl_set_to sets DeepGEMM's process-wide PDL inside the block and restores the process's
+    setting after (also on an exception); None or the same value changes nothing."""
+    state = {"pdl": True, "sets": []}
+
+    def set_pdl(value):
+        state["sets"].append(value)
+        state["pdl"] = value
+    mod = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=lambda *a, **k: None,
+                                get_pdl=lambda: state["pdl"], set_pdl=set_pdl)
+    monkeypatch.setattr(compat, "_API", compat.resolve(mod))
+    with compat.pdl_set_to(False):
+        assert compat.get_pdl() is False
+    assert state["pdl"] is True and state["sets"] == [False, True]
+    with pytest.raises(KeyError), compat.pdl_set_to(False):
+        raise KeyError("inside")
+    assert state["pdl"] is True
+    state["sets"].clear()
+    for value in (None, True):
+        with compat.pdl_set_to(value):
+            pass
+    assert state["sets"] == []
+
+
+def test_expected_m_reaches_the_psum_call(monkeypatch):
+    """expected_m goes to DeepGEMM as expected_m_for_psum_layout in the psum form only, and only
+    where the build takes it."""
+    seen = []
+
+    def new(a, b, d, layout, use_psum_layout=False, expected_m_for_psum_layout=None):
+        seen.append((use_psum_layout, expected_m_for_psum_layout))
+
+    def older(a, b, d, layout, use_psum_layout=False):
+        seen.append((use_psum_layout, None))
+    ends = torch.tensor([3], dtype=torch.int32)
+    monkeypatch.setattr(compat, "check_device", lambda what, device: None)
+    for fn, want in ((new, 37), (older, None)):
+        compat._takes_psum_layout.cache_clear()
+        monkeypatch.setattr(compat, "_API", compat.resolve(
+            types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=fn)))
+        compat.m_grouped_fp8_gemm_nt_contiguous(_cuda_operand(), None, None, None, ends,
+                                                expected_m=37)
+        compat.m_grouped_fp8_gemm_nt_contiguous(_cuda_operand(), None, None, ends[:0].view(-1),
+                                                None, expected_m=37)
+        assert seen == [(True, want), (False, None)]
+        seen.clear()

@@ -101,6 +101,51 @@ def test_reference_is_the_composition():
     _assert_same(*silu_and_mul_quant_fp8_ref(x, False), *_composed(x))
 
 
+# ---------------------------------------------------------------- contiguous layout, psum ends
+
+def _psum_case(counts, n=128, seed=0, device="cpu"):
+    """x [M_sum, 2n] of a psum layout with `counts` rows per expert (segments start at multiples
+    of 128 rows), its expert_ends and the live row ranges."""
+    ranges, first = [], 0
+    for c in counts:
+        ranges.append((first, first + c))
+        first += -(-c // 128) * 128
+    m_sum = max(first, 1)
+    x = _make_x((m_sum, 2 * n), device=device, seed=seed)
+    ends = torch.tensor([e for _, e in ranges], dtype=torch.int32, device=device)
+    return x, ends, ranges
+
+
+def _check_psum(x, q, s, ranges):
+    live = torch.zeros(x.shape[0], dtype=torch.bool)
+    for first, end in ranges:
+        live[first:end] = True
+        if end > first:
+            _assert_same(q[first:end], s[first:end], *_composed(x[first:end].cpu()))
+    assert (q.cpu()[~live].view(torch.uint8) == POISON_Q).all()
+    assert (s.cpu()[~live] == POISON_S).all()
+
+
+@pytest.mark.parametrize("counts, tile", [([3, 0, 130], (1, 1)), ([1], (4, 4)), ([0, 0], (2, 1)),
+                                          ([129, 5, 0, 7], (4, 1))])
+def test_launcher_psum_ends(counts, tile, kernel_device):
+    """Only each expert's rows [align128(end[e-1]), end[e]) are written, with the composition's
+    bits; padding rows keep their poison. max_programs 2 makes every program loop."""
+    x, ends, ranges = _psum_case(counts, seed=sum(counts), device=kernel_device)
+    q, s = _poisoned((x.shape[0], 128), kernel_device)
+    silu_and_mul_quant_fp8_triton(x, q, s, None, False, expert_ends=ends, block_m=tile[0],
+                                  groups_per_prog=tile[1], num_warps=2, max_programs=2)
+    _check_psum(x, q, s, ranges)
+
+
+def test_public_op_psum_ends_cpu():
+    x, ends, ranges = _psum_case([2, 0, 5], n=256, seed=9)
+    q, s = _poisoned((x.shape[0], 256), "cpu")
+    got_q, got_s = silu_and_mul_quant_fp8(x, out_q=q, out_s=s, expert_ends=ends)
+    assert got_q is q and got_s is s
+    _check_psum(x, q, s, ranges)
+
+
 # ---------------------------------------------------------------- batched layout [E, T, 2I]
 
 @pytest.mark.parametrize("counts", [[0, 3, 7], [7], [0], [2, 0, 7, 1], [9, 1]])
@@ -179,6 +224,10 @@ def test_errors():
     _bad(r"shape \(2,\)", x=x3, expert_num_tokens=torch.tensor([1], dtype=torch.int32))
     _bad("contiguous", x=x3, expert_num_tokens=torch.tensor([1, 0, 2, 0], dtype=torch.int32)[::2])
     _bad("use_ue8m0", use_ue8m0=1)
+    ends = torch.tensor([4], dtype=torch.int32)
+    _bad("not both", x=x3, expert_num_tokens=counts, expert_ends=ends)
+    _bad("expert_ends must be a torch.int32", expert_ends=ends.long())
+    _bad(r"expert_ends must have shape \(E,\)", expert_ends=ends.view(1, 1))
     _bad("out_q", out_q=torch.empty(4, 256, dtype=torch.bfloat16))
     _bad("out_q", out_q=torch.empty(4, 512, dtype=FP8_DTYPE))
     _bad("out_q", out_q=torch.empty(4, 256, dtype=FP8_DTYPE, device="meta"))
@@ -209,6 +258,17 @@ def test_gpu_batched_counts():
     q, s = _poisoned((E, T, n), "cuda")
     silu_and_mul_quant_fp8(x, out_q=q, out_s=s, expert_num_tokens=counts.cuda())
     _check_batched(x, q, s, counts.tolist())
+
+
+@pytest.mark.gpu
+def test_gpu_psum_ends():
+    """DeepSeek-sized rows on a psum layout of 8 experts (one empty): live rows bit-exact, padding
+    untouched, with the default launch config (looping programs)."""
+    counts = [1000, 0, 7, 128, 129, 3000, 1, 517]
+    x, ends, ranges = _psum_case(counts, n=2048, seed=11, device="cuda")
+    q, s = _poisoned((x.shape[0], 2048), "cuda")
+    silu_and_mul_quant_fp8(x, out_q=q, out_s=s, expert_ends=ends)
+    _check_psum(x, q, s, ranges)
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ experts' construction; the GEMM wrappers look the cached verdict up by device).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from types import SimpleNamespace
@@ -34,6 +35,8 @@ _NAMES = {
                "m_grouped_gemm_fp8_fp8_bf16_nt_masked"),
     "alignment": ("get_mk_alignment_for_contiguous_layout",
                   "get_m_alignment_for_contiguous_layout"),
+    "get_pdl": ("get_pdl",),
+    "set_pdl": ("set_pdl",),
 }
 
 
@@ -49,7 +52,7 @@ def _takes_kwarg(fn: Any, name: str) -> bool:
 def resolve(module: Any) -> SimpleNamespace:
     """Pick the first name of each row of _NAMES that `module` has (None where none is found).
 
-    Returns a namespace with contiguous, masked, alignment (callables or None) and
+    Returns a namespace with contiguous, masked, alignment, get_pdl, set_pdl (callables or None) and
     contiguous_ue8m0_kwarg / masked_ue8m0_kwarg (whether to pass disable_ue8m0_cast=True).
     """
     found = {key: next((getattr(module, n) for n in names if hasattr(module, n)), None)
@@ -137,13 +140,20 @@ def _takes_psum_layout(contiguous: Any) -> bool:
     return _takes_kwarg(contiguous, "use_psum_layout")
 
 
+@functools.cache
+def _takes_expected_m(contiguous: Any) -> bool:
+    """Whether this build's contiguous GEMM takes expected_m_for_psum_layout (v2.6 on)."""
+    return _takes_kwarg(contiguous, "expected_m_for_psum_layout")
+
+
 def contiguous_layout_form() -> str:
     """Which form of the contiguous layout m_grouped_fp8_gemm_nt_contiguous hands DeepGEMM when it
     is given expert_ends: "psum" (the build takes use_psum_layout) or "m_indices"."""
     return "psum" if _takes_psum_layout(_api("DeepGemmExperts").contiguous) else "m_indices"
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices, expert_ends=None) -> None:
+def m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices, expert_ends=None, *,
+                                     expected_m: int | None = None) -> None:
     """DeepGEMM's contiguous grouped FP8 GEMM: out[i] = a[i] @ b[m_indices[i]]^T.
 
     a: (float8_e4m3fn [M_sum, K], float32 [M_sum, K/128] MN-major TMA-aligned scales);
@@ -154,14 +164,42 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, out, m_indices, expert_ends=None) -> 
     use_psum_layout, DeepGEMM gets that form: it then schedules only the 128-row blocks that hold
     rows, where with m_indices it loads A and B for every block of M_sum (padding blocks
     included). Output rows outside the experts' rows are undefined either way.
+    expected_m: rows per expert the caller expects, for DeepGEMM's choice of tiles in the psum
+    form (where the build takes it): without it DeepGEMM sizes its tiles for one group of M_sum
+    rows, padding included. Ignored in the m_indices form.
     """
     api = _api("DeepGemmExperts")
     check_device("DeepGemmExperts", a[0].device)
     kwargs = {"disable_ue8m0_cast": True} if api.contiguous_ue8m0_kwarg else {}
     if expert_ends is not None and _takes_psum_layout(api.contiguous):
+        if expected_m is not None and _takes_expected_m(api.contiguous):
+            kwargs["expected_m_for_psum_layout"] = max(1, int(expected_m))
         api.contiguous(a, b, out, expert_ends, use_psum_layout=True, **kwargs)
     else:
         api.contiguous(a, b, out, m_indices, **kwargs)
+
+
+def get_pdl() -> bool | None:
+    """DeepGEMM's programmatic-dependent-launch setting (process-wide), None where the build has
+    none or DeepGEMM is not usable."""
+    get = _API.get_pdl if is_available() else None
+    return None if get is None else bool(get())
+
+
+@contextlib.contextmanager
+def pdl_set_to(enabled: bool | None):
+    """DeepGEMM's PDL setting `enabled` for the launches inside, the process's setting restored
+    after (another library in the process, vLLM for one, sets it for its own calls). None, or a
+    build without the setting: nothing changes."""
+    before = None if enabled is None else get_pdl()
+    if before is None or before == enabled or _API.set_pdl is None:
+        yield
+        return
+    _API.set_pdl(enabled)
+    try:
+        yield
+    finally:
+        _API.set_pdl(before)
 
 
 # device -> (the resolved API, the keywords to pass) where the masked GEMM's checks

@@ -65,14 +65,16 @@ def quant_permute(a1, layout, out_q, out_s, use_ue8m0: bool) -> None:
         quant_permute_ref(a1, layout, out_q, out_s, use_ue8m0)
 
 
-def silu_and_mul_quant(h, out_q, out_s, masked_m, use_ue8m0: bool) -> None:
-    """masked_m: int32 [E_l] valid rows per expert slice (batched layout), None: every row;
-    use_ue8m0: the layer's scale rounding (PrepareAndFinalize.use_ue8m0)."""
+def silu_and_mul_quant(h, out_q, out_s, masked_m, use_ue8m0: bool, expert_ends=None) -> None:
+    """masked_m: int32 [E_l] valid rows per expert slice (batched layout); expert_ends: int32
+    [E_l] psum ends (contiguous layout: padding rows skipped); neither: every row. use_ue8m0:
+    the layer's scale rounding (PrepareAndFinalize.use_ue8m0)."""
     if takes_triton(h):
-        silu_and_mul_quant_fp8_triton(h, out_q, out_s, masked_m, use_ue8m0)
+        silu_and_mul_quant_fp8_triton(h, out_q, out_s, masked_m, use_ue8m0,
+                                      expert_ends=expert_ends)
     else:
         silu_and_mul_quant_fp8(h, out_q=out_q, out_s=out_s, expert_num_tokens=masked_m,
-                               use_ue8m0=use_ue8m0)
+                               expert_ends=expert_ends, use_ue8m0=use_ue8m0)
 
 
 def unpermute_reduce(y, dest, topk_weights, out) -> None:
