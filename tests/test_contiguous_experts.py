@@ -18,11 +18,8 @@ from _layer import (
 )
 
 from vllm_moe_fixes._compat import deep_gemm as compat
-from vllm_moe_fixes.fused_moe.contiguous_experts import (
-    DeepGemmExperts,
-    TritonExperts,
-    select_experts,
-)
+from vllm_moe_fixes.fused_moe import ActivationFormat, experts_for_format
+from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.ops.grouped_gemm import grouped_fp8_gemm_contiguous_ref
@@ -173,7 +170,7 @@ def test_deferred_input_quant_same_bits(experts_pass_tokens, launchers, monkeypa
 def test_gpu_deep_gemm_experts(E, k, M, I, K, use_map, monkeypatch):
     """The real DeepGEMM (needs an SM90/SM100 build): selection, poisoned workspaces, reference."""
     monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")
-    experts = select_experts(I, K)
+    experts = experts_for_format(ActivationFormat.STANDARD, I, K)
     assert type(experts) is DeepGemmExperts
     local = list(range(0, E, 2)) if use_map else None
     p = make_problem(M, k, E, I, K, local=local, device="cuda", seed=M)

@@ -23,7 +23,6 @@ from vllm_moe_fixes.fused_moe import (
     local_expert_map,
     make_moe_kernel,
     make_prepare_finalize,
-    select_experts_for,
 )
 from vllm_moe_fixes.testing import moe_reference, random_fp8_moe_weights, rel_err
 
@@ -104,17 +103,6 @@ def test_the_wired_layer_matches_the_reference(group, low_latency):
                  global_num_experts=E, expert_map=expert_map)
     ref = moe_reference(x, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale, w2_scale=w2_scale)
     assert rel_err(out, ref) < 0.06
-
-
-def test_select_experts_for_follows_the_format():
-    class Batched(DeepEPLLPrepareAndFinalize):
-        def __init__(self):  # the format alone decides: no buffer needed
-            pass
-
-    assert type(select_experts_for(NoEPPrepareAndFinalize(), 128, 256)) is TritonExperts
-    assert type(select_experts_for(Batched(), 128, 256)) is BatchedTritonExperts
-    with pytest.raises(ValueError, match="prepare_finalize must be a PrepareAndFinalize"):
-        select_experts_for(object(), 128, 256)
 
 
 @pytest.mark.parametrize("changes, match", [

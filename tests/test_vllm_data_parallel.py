@@ -86,10 +86,10 @@ def test_the_plugin_names_it_naive_and_refuses_where_it_does_not_hold(monkeypatc
     assert plugin._backend_of(parallel()) == "naive"
     monkeypatch.setattr(vllm.distributed, "get_ep_group", lambda: pytest.fail("group asked"))
     with pytest.raises(ValueError, match="data parallel \\+ EP: tensor parallel 2 inside"):
-        plugin.make_prepare_finalize(moe_config(E, TOPK, E // 4, parallel=parallel(tp=2)))
+        plugin.prepare_finalize_adapter(moe_config(E, TOPK, E // 4, parallel=parallel(tp=2)))
     monkeypatch.setattr(data_parallel.current_platform, "is_cpu", lambda: False)
     with pytest.raises(ValueError, match="data parallel \\+ EP: allgather_reducescatter on"):
-        plugin.make_prepare_finalize(moe_config(E, TOPK, E // 2, parallel=parallel()))
+        plugin.prepare_finalize_adapter(moe_config(E, TOPK, E // 2, parallel=parallel()))
 
 
 def _skewed_problem(rank, world, M):
@@ -132,7 +132,7 @@ def _in_vllms_kernel(rank, world):
     pf = kernel.prepare_finalize
     wiring = (type(pf).__name__, type(pf.ours.buffer).__name__, pf.ours.buffer.group,
               pf.ours.rank_expert_offset, pf.num_dispatchers())
-    shared = plugin.make_prepare_finalize(layer).ours.buffer is pf.ours.buffer  # a second layer
+    shared = plugin.prepare_finalize_adapter(layer).ours.buffer is pf.ours.buffer  # a second layer
     out = kernel.apply(x, local.w1, local.w2, tw, ti, MoEActivation.SILU, E, expert_map, False)
     ours = FusedMoEModularKernel(
         DeepEPHTPrepareAndFinalize(TorchAll2AllBuffer(None), num_dispatchers=world,

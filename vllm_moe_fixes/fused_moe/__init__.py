@@ -5,7 +5,6 @@ from vllm_moe_fixes.distributed.collectives import CollectiveRefusal
 from vllm_moe_fixes.fused_moe.batched_experts import (
     BatchedDeepGemmExperts,
     BatchedTritonExperts,
-    select_batched_experts,
 )
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
@@ -15,15 +14,13 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
 from vllm_moe_fixes.fused_moe.contiguous_experts import (
     DeepGemmExperts,
     TritonExperts,
-    select_experts,
 )
-from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
+from vllm_moe_fixes.fused_moe.experts_selection import experts_for_format
 from vllm_moe_fixes.fused_moe.grouped_topk import grouped_topk
 from vllm_moe_fixes.fused_moe.kernel_factory import (
     local_expert_map,
     make_moe_kernel,
     make_prepare_finalize,
-    select_experts_for,
 )
 from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
@@ -42,6 +39,6 @@ __all__ = ["ActivationFormat", "BatchedDeepGemmExperts", "BatchedTritonExperts",
            "CollectiveRefusal", "DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize",
            "DeepEPV2PrepareAndFinalize", "DeepGemmExperts", "Experts", "Fp8MoEWeights",
            "FusedMoEModularKernel", "NoEPPrepareAndFinalize", "PrepareAndFinalize",
-           "PrepareResult", "TritonExperts", "Workspaces", "fused_topk", "grouped_topk",
-           "local_expert_map", "make_moe_kernel", "make_prepare_finalize", "moe_reference",
-           "select_batched_experts", "select_experts", "select_experts_for", "select_experts_of"]
+           "PrepareResult", "TritonExperts", "Workspaces", "experts_for_format", "fused_topk",
+           "grouped_topk", "local_expert_map", "make_moe_kernel", "make_prepare_finalize",
+           "moe_reference"]

@@ -23,7 +23,6 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe import experts_steps as steps
-from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     Experts,
@@ -136,16 +135,3 @@ class BatchedDeepGemmExperts(BatchedExperts):
 
     def gemm(self, a, w, out, masked_m, expected_m) -> None:
         _deep_gemm.m_grouped_fp8_gemm_nt_masked(a, w, out, masked_m, expected_m)
-
-
-def select_batched_experts(intermediate_size: int, hidden_size: int) -> BatchedExperts:
-    """The batched experts the environment asks for: BatchedDeepGemmExperts when
-    VLLM_USE_DEEP_GEMM, else BatchedTritonExperts (see `select_experts_of` for the errors and the
-    warning on sizes that are not multiples of 128).
-
-    Args:
-        intermediate_size: I (w1 is [E_l, 2I, K], w2 is [E_l, K, I]).
-        hidden_size: K.
-    """
-    return select_experts_of(BatchedTritonExperts, BatchedDeepGemmExperts, intermediate_size,
-                             hidden_size)

@@ -59,7 +59,6 @@ import torch
 
 from vllm_moe_fixes._compat import deep_gemm as _deep_gemm
 from vllm_moe_fixes.fused_moe import experts_steps as steps
-from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
 from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     Experts,
@@ -219,15 +218,3 @@ class DeepGemmExperts(ContiguousExperts):
 
     def gemm(self, a, w, out, m_indices, expert_ends=None) -> None:
         _deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices, expert_ends)
-
-
-def select_experts(intermediate_size: int, hidden_size: int) -> ContiguousExperts:
-    """The contiguous-layout experts the environment asks for: DeepGemmExperts when
-    VLLM_USE_DEEP_GEMM, else TritonExperts (see `select_experts_of` for the errors and the
-    warning on sizes that are not multiples of 128).
-
-    Args:
-        intermediate_size: I (w1 is [E_l, 2I, K], w2 is [E_l, K, I]).
-        hidden_size: K.
-    """
-    return select_experts_of(TritonExperts, DeepGemmExperts, intermediate_size, hidden_size)

@@ -1,21 +1,18 @@
 """One MoE layer's backend wired from the environment: buffer + prepare/finalize + experts.
 
-`make_moe_kernel` = `FusedMoEModularKernel(make_prepare_finalize(...), select_experts_for(...))`,
-split as vLLM splits it: the prepare/finalize follows the all-to-all backend, the experts follow
-the activation format that prepare/finalize produces and VLLM_USE_DEEP_GEMM.
+`make_moe_kernel` builds `make_prepare_finalize(...)` and the experts of the activation format it
+produces (`experts_for_format`), split as vLLM splits it: the prepare/finalize follows the
+all-to-all backend, the experts follow that format and VLLM_USE_DEEP_GEMM.
 
-    ep_group  all-to-all (VLLM_ALL2ALL_BACKEND)  prepare/finalize, format  experts
-    None      none (the variable is not read)    NoEP..., standard         TritonExperts, or
-    a group   naive or deepep_high_throughput    DeepEPHT..., standard     DeepGemmExperts
-    a group   deepep_low_latency, or naive with  DeepEPLL..., batched      BatchedTritonExperts, or
-              low_latency=True                                             BatchedDeepGemmExperts
-    a group   deepep_v2 (DeepEP V2's buffer)     DeepEPV2..., standard     TritonExperts, or
-                                                                           DeepGemmExperts
-    (the DeepGEMM class of each pair with VLLM_USE_DEEP_GEMM=1)
+    ep_group  all-to-all (VLLM_ALL2ALL_BACKEND)             prepare/finalize       format
+    None      none (the variable is not read)               NoEP...                standard
+    a group   naive or deepep_high_throughput               DeepEPHT...            standard
+    a group   deepep_low_latency, or naive + low_latency    DeepEPLL...            batched
+    a group   deepep_v2 (DeepEP V2's buffer)                DeepEPV2...            standard
 
 The table is `prepare_finalize_wiring` (backend -> prepare/finalize class and arguments) and
-`experts_for_format` (format + VLLM_USE_DEEP_GEMM -> experts). The vLLM plugin asks the same two
-functions, with vLLM's all-to-all buffer and numbers as inputs, and maps only names.
+`experts_selection` (format + VLLM_USE_DEEP_GEMM -> experts class). The vLLM plugin asks the
+same two, with vLLM's all-to-all buffer and numbers as inputs, and maps only names.
 
 With a group of R ranks, rank r holds the E_l = E / R experts [r*E_l, (r+1)*E_l) (DeepEP's
 placement): give the kernel those experts' weights and `local_expert_map(ep_group, E)`.
@@ -36,15 +33,13 @@ from vllm_moe_fixes.distributed.buffers import (
     group_size_and_rank,
     make_all2all_buffer,
 )
-from vllm_moe_fixes.fused_moe.batched_experts import BatchedDeepGemmExperts, BatchedTritonExperts
-from vllm_moe_fixes.fused_moe.contiguous_experts import DeepGemmExperts, TritonExperts
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPHTPrepareAndFinalize,
     DeepEPLLPrepareAndFinalize,
     DeepEPV2PrepareAndFinalize,
 )
-from vllm_moe_fixes.fused_moe.experts_selection import select_experts_of
-from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat, Experts, PrepareAndFinalize
+from vllm_moe_fixes.fused_moe.experts_selection import experts_for_format
+from vllm_moe_fixes.fused_moe.interfaces import PrepareAndFinalize
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.fused_moe.workspaces import Workspaces
@@ -75,7 +70,7 @@ def make_moe_kernel(ep_group: dist.ProcessGroup | None, *, hidden_size: int,
         Without a group there is no dispatch: max_tokens_per_rank, backend and low_latency are
         not read.
 
-    Returns a FusedMoEModularKernel (see `make_prepare_finalize` and `select_experts_for`).
+    Returns a FusedMoEModularKernel (see `make_prepare_finalize` and `experts_for_format`).
 
     Raises ValueError for bad arguments, a mode the backend does not serve or a configuration
     DeepEP cannot serve (`make_all2all_buffer`); MissingLibraryError, an ImportError (a DeepEP
@@ -85,7 +80,7 @@ def make_moe_kernel(ep_group: dist.ProcessGroup | None, *, hidden_size: int,
     pf = make_prepare_finalize(ep_group, hidden_size=hidden_size, num_experts=num_experts,
                                max_tokens_per_rank=max_tokens_per_rank, backend=backend,
                                low_latency=low_latency)
-    experts = select_experts_for(pf, intermediate_size, hidden_size)
+    experts = experts_for_format(pf.activation_format, intermediate_size, hidden_size)
     if ep_group is None:
         pf.defer_input_quant_to(experts)
     return FusedMoEModularKernel(pf, experts, workspaces)
@@ -175,29 +170,6 @@ def _v2_ids_dtype(buffer) -> torch.dtype:
         if buffer is None or isinstance(buffer, module.ElasticBuffer):
             return module.topk_idx_t
     return torch.int64
-
-
-# The experts of each activation format: (Triton, DeepGEMM), picked by VLLM_USE_DEEP_GEMM.
-_EXPERTS_OF_FORMAT = {ActivationFormat.STANDARD: (TritonExperts, DeepGemmExperts),
-                      ActivationFormat.BATCHED: (BatchedTritonExperts, BatchedDeepGemmExperts)}
-
-
-def select_experts_for(prepare_finalize: PrepareAndFinalize, intermediate_size: int,
-                       hidden_size: int) -> Experts:
-    """The experts of prepare_finalize's activation format (`experts_for_format`)."""
-    if not isinstance(prepare_finalize, PrepareAndFinalize):
-        raise ValueError(f"prepare_finalize must be a PrepareAndFinalize, got "
-                         f"{type(prepare_finalize).__name__}")
-    return experts_for_format(prepare_finalize.activation_format, intermediate_size, hidden_size)
-
-
-def experts_for_format(activation_format: ActivationFormat, intermediate_size: int,
-                       hidden_size: int) -> Experts:
-    """The experts of ``activation_format`` that VLLM_USE_DEEP_GEMM selects: TritonExperts or
-    DeepGemmExperts (standard), BatchedTritonExperts or BatchedDeepGemmExperts (batched), via
-    `select_experts_of`, which raises for bad sizes and for DeepGEMM asked for but missing."""
-    return select_experts_of(*_EXPERTS_OF_FORMAT[activation_format], intermediate_size,
-                             hidden_size)
 
 
 def local_expert_map(ep_group: dist.ProcessGroup | None, num_experts: int,

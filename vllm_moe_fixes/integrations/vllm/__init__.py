@@ -7,7 +7,7 @@ and the ``vllm.general_plugins`` hook that makes vLLM's block-FP8 FusedMoE layer
     experts           VllmTritonExperts, VllmDeepGemmExperts, VllmBatchedTritonExperts,
                       VllmBatchedDeepGemmExperts (FusedMoEExpertsModular), their base VllmExperts
     support           what they serve (the reasons for a refusal), DeepEP buffer checks
-    plugin            register (the entry point), make_kernel, make_prepare_finalize
+    plugin            register (the entry point), make_kernel, prepare_finalize_adapter
     versions          UnsupportedVllmVersionError (register's refusal of an older vLLM)
 
 Importing this package imports no vllm: the names below load their module (and vllm) on first
@@ -28,7 +28,7 @@ _MODULE_OF = {
     "VllmBatchedDeepGemmExperts": "experts",
     "register": "plugin",
     "make_kernel": "plugin",
-    "make_prepare_finalize": "plugin",
+    "prepare_finalize_adapter": "plugin",
     "UnsupportedVllmVersionError": "versions",
 }
 

@@ -14,15 +14,15 @@ those two names in that module:
         otherwise            -> vLLM's own function, unchanged
 
 The plugin decides no wiring: it maps vLLM's names onto the library's factory
-(``fused_moe.kernel_factory``), which decides for this library and for vLLM alike. vLLM's
-parallel config -> our backend name (no all-to-all, ``deepep_high_throughput``,
-``deepep_low_latency``, ``deepep_v2``; ``naive`` for the data-parallel EP layers on CPU that
-``data_parallel.py`` takes over); the factory's ``prepare_finalize_wiring`` -> our
-prepare/finalize class and its arguments, over the buffer vLLM's all2all manager built (our
-DeepEP adapters check it against DeepEP's rules before the first forward) or, for ``naive``, our
-``TorchAll2AllBuffer`` on the gloo group of vLLM's EP group; its
-``experts_for_format`` -> our experts class (layout, VLLM_USE_DEEP_GEMM); then our class ->
-its adapter (``ADAPTER_OF_PREPARE_FINALIZE``, ``ADAPTER_OF_EXPERTS``). Other quantisation
+(``fused_moe.kernel_factory``, ``fused_moe.experts_selection``), which decides for this library
+and for vLLM alike. vLLM's parallel config -> our backend name (no all-to-all,
+``deepep_high_throughput``, ``deepep_low_latency``, ``deepep_v2``; ``naive`` for the
+data-parallel EP layers on CPU that ``data_parallel.py`` takes over); the factory's
+``prepare_finalize_wiring`` -> our prepare/finalize class and its arguments, over the buffer
+vLLM's all2all manager built (our DeepEP adapters check it against DeepEP's rules before the
+first forward) or, for ``naive``, our ``TorchAll2AllBuffer`` on the gloo group of vLLM's EP
+group; ``experts_for_format`` -> our experts class (layout, VLLM_USE_DEEP_GEMM); then our class
+-> its adapter (``ADAPTER_OF_PREPARE_FINALIZE``, ``ADAPTER_OF_EXPERTS``). Other quantisation
 methods that import the selector (modelopt, compressed-tensors, online FP8) keep vLLM's kernels.
 vLLM 0.26 passes ``layer=`` to ``make_fp8_moe_kernel``: extra keywords pass through to vLLM's
 function.
@@ -77,11 +77,11 @@ def experts_class_for(config, weight_key, activation_key):
     (MissingLibraryError, an ImportError, naming VLLM_USE_DEEP_GEMM and DeepGEMM; RuntimeError on
     a GPU other than SM90) instead of silently running Triton.
     """
-    from vllm_moe_fixes.fused_moe import ActivationFormat, kernel_factory
+    from vllm_moe_fixes.fused_moe import ActivationFormat, experts_for_format
     from vllm_moe_fixes.integrations.vllm.experts import ADAPTER_OF_EXPERTS
 
     batched = config.moe_parallel_config.use_batched_activation_format
-    ours = kernel_factory.experts_for_format(
+    ours = experts_for_format(
         ActivationFormat.BATCHED if batched else ActivationFormat.STANDARD,
         config.intermediate_size_per_partition, config.hidden_dim)
     cls = ADAPTER_OF_EXPERTS[type(ours)]
@@ -138,7 +138,7 @@ def make_kernel(moe_quant_config, moe_config, experts_cls, routing_tables=None):
     """
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 
-    pf = make_prepare_finalize(moe_config, routing_tables)
+    pf = prepare_finalize_adapter(moe_config, routing_tables)
     if experts_cls.batched:
         experts = experts_cls(moe_config, moe_quant_config,
                               max_num_tokens=pf.max_num_tokens_per_rank(),
@@ -154,7 +154,7 @@ def make_kernel(moe_quant_config, moe_config, experts_cls, routing_tables=None):
     return kernel
 
 
-def make_prepare_finalize(moe_config, routing_tables=None):
+def prepare_finalize_adapter(moe_config, routing_tables=None):
     """Our prepare/finalize adapter for the all-to-all vLLM's parallel config asks for: the
     library's factory (``prepare_finalize_wiring``) picks the class and its arguments from our
     backend name, the buffer and vLLM's numbers; this maps the names (``_backend_of``,
