@@ -33,13 +33,13 @@ When the groups do not divide over the nodes it runs globally (one node, one gro
     are ordered to keep an expert in the slot it held.
 
 Ties are broken by index everywhere (stable sorts, lowest index first): equal inputs give equal
-placements on every rank.
+placements on every rank. The planning itself is numpy only; it returns numpy int64 arrays;
+loads and placements may be numpy arrays, lists or CPU/GPU torch tensors.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from vllm_moe_fixes._validate import check, check_positive_int
 
@@ -53,10 +53,14 @@ _REL_TOL = 1e-12
 # ----------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------
+def _host(values):
+    """A torch tensor as a host numpy array (duck-typed: no torch import); others unchanged."""
+    return values.detach().cpu().numpy() if hasattr(values, "detach") else values
+
+
 def _as_load(load) -> np.ndarray:
     """The load as float64 [E]; ValueError unless it is 1-D, non-empty, finite and >= 0."""
-    if isinstance(load, torch.Tensor):
-        load = load.detach().cpu().double().numpy()
+    load = _host(load)
     arr = np.asarray(load, dtype=np.float64)
     check(arr.ndim == 1 and arr.size >= 1,
           f"load must be a non-empty 1-D [num_logical] array, got shape {tuple(arr.shape)}")
@@ -79,8 +83,7 @@ def _check_layout(num_logical: int, num_physical, world_size) -> int:
 
 def _as_placement(name: str, phys_to_log, num_logical: int, num_physical: int) -> np.ndarray:
     """A placement as int64 [num_physical]; ValueError unless it names every logical expert."""
-    if isinstance(phys_to_log, torch.Tensor):
-        phys_to_log = phys_to_log.detach().cpu().numpy()
+    phys_to_log = _host(phys_to_log)
     arr = np.asarray(phys_to_log)
     check(arr.shape == (num_physical,) and np.issubdtype(arr.dtype, np.integer),
           f"{name} must be an int [num_physical={num_physical}] array, got "
@@ -109,7 +112,7 @@ def rank_loads(load, physical_to_logical, world_size: int) -> np.ndarray:
 
 def count_moves(previous, physical_to_logical) -> int:
     """Physical slots whose logical expert changes (each is one expert's weights to copy)."""
-    a, b = np.asarray(previous), np.asarray(physical_to_logical)
+    a, b = np.asarray(_host(previous)), np.asarray(_host(physical_to_logical))
     check(a.shape == b.shape, f"previous {a.shape} and physical_to_logical {b.shape} differ")
     return int((a != b).sum())
 
@@ -192,7 +195,7 @@ def _check_planner(load, num_physical, world_size) -> tuple[np.ndarray, int]:
 # The baseline: DeepSeek's hierarchical EPLB
 # ----------------------------------------------------------------------------------------------
 def rebalance_hierarchical(load, *, num_physical: int, world_size: int, num_groups: int = 1,
-                           num_nodes: int = 1) -> torch.Tensor:
+                           num_nodes: int = 1) -> np.ndarray:
     """DeepSeek's hierarchical EPLB (the baseline): physical_to_logical int64 [num_physical].
 
     Arguments:
@@ -220,7 +223,7 @@ def rebalance_hierarchical(load, *, num_physical: int, world_size: int, num_grou
         logical = experts[_replicas(counts)]
         gpu = _pack(w[logical] / counts[_replicas(counts)], world_size // num_nodes)
         placement.append(_slots(logical, gpu))
-    return torch.from_numpy(np.concatenate(placement))
+    return np.concatenate(placement)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +313,7 @@ def _align_slots(previous: np.ndarray, logical: np.ndarray, rank: np.ndarray,
     return out
 
 
-def rebalance(load, *, num_physical: int, world_size: int, previous=None) -> torch.Tensor:
+def rebalance(load, *, num_physical: int, world_size: int, previous=None) -> np.ndarray:
     """Our planner (module docstring): physical_to_logical int64 [num_physical].
 
     Arguments:
@@ -323,10 +326,10 @@ def rebalance(load, *, num_physical: int, world_size: int, previous=None) -> tor
     w, slots = _check_planner(load, num_physical, world_size)
     counts, (logical, where, top) = _search_counts(w, num_physical, world_size)
     if previous is None:
-        return torch.from_numpy(_slots(logical, where))
+        return _slots(logical, where)
     prev = _as_placement("previous", previous, w.size, num_physical)
     sticky = _packed(w, counts, world_size, start=_kept(prev, counts, slots))
     if sticky[2] <= top * (1 + _REL_TOL):
         logical, where, _ = sticky
     rank = _match_ranks(prev, logical, where, world_size, slots)
-    return torch.from_numpy(_align_slots(prev, logical, rank, slots))
+    return _align_slots(prev, logical, rank, slots)
