@@ -93,6 +93,27 @@ def _keep_needed_copies(taken: list[int], pending: list[int], cur: list[int],
         taken = [d for d in taken if cur[d] not in lost]
 
 
+def _take_safe(pending: list[int], caps: list[int | None], num_local: int, cur: list[int],
+               target: list[int]) -> list[int]:
+    """Destinations that fit each rank's staging and whose write leaves a copy of what they
+    hold for every move not taken (taken in slot order)."""
+    holders = {e: cur.count(e) for e in set(cur)}
+    needs: dict[int, int] = {}
+    for d in pending:
+        needs[target[d]] = needs.get(target[d], 0) + 1
+    taken, used = [], [0] * len(caps)
+    for d in pending:
+        r, held = d // num_local, cur[d]
+        if caps[r] is not None and used[r] >= caps[r]:
+            continue
+        if holders[held] > 1 or not needs.get(held, 0):
+            taken.append(d)
+            used[r] += 1
+            holders[held] -= 1
+            needs[target[d]] -= 1
+    return taken
+
+
 def _sources(taken: list[int], cur: list[int], target: list[int], num_local: int) -> list[Move]:
     """A source for each destination: a current holder on the same rank, else on the rank that
     sends least so far this round (lowest slot on ties)."""
@@ -127,7 +148,10 @@ def plan_moves(old: ExpertPlacement, new: ExpertPlacement,
                        f"(max_bytes below one expert's bytes)")
     rounds = []
     while pending:
-        taken = _keep_needed_copies(_take_round(pending, caps, L), pending, cur, target)
+        # Two ways to fill a round, the larger wins: everything that fits, less the writes that
+        # would lose a copy still needed (takes whole cycles); or writes that lose nothing.
+        taken = max(_keep_needed_copies(_take_round(pending, caps, L), pending, cur, target),
+                    _take_safe(pending, caps, L, cur, target), key=len)
         check(bool(taken),
               f"no round can start within the staging bounds (experts per round and rank "
               f"{caps}): each of the {len(pending)} moves left would overwrite the last copy of "
