@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vllm_moe_fixes.config import PRESETS, MoEModelConfig, config_from_dict, load_model_config
-from vllm_moe_fixes.planner import SimulatedRouter, make_plan, simulate_loads
+from vllm_moe_fixes.planner import SimulatedRouter, format_plan, make_plan, simulate_loads
 
 R1 = PRESETS["deepseek-r1"]
 
@@ -287,3 +287,61 @@ def test_planning_does_not_import_torch():
     root = str(Path(__file__).resolve().parents[1])
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# EPLB rows: redundant experts placed by eplb.rebalance, beside the plan without them
+# ---------------------------------------------------------------------------------------------
+def test_plan_with_redundant_experts_shows_both_and_the_ll_buffer_growth():
+    """DeepSeek-R1 at EP 64, low-latency, 64 redundant experts: 5 physical experts a rank
+    instead of 4 (weights x 5/4), the LL RDMA hint sized for 320 experts (vLLM #57894: it grows
+    with the expert count), and zero ids' busiest/mean from 8x down to 1x."""
+    from vllm_moe_fixes.distributed.deepep_sizing import deepep_ll_rdma_bytes
+    from vllm_moe_fixes.planner import eplb_refusal
+
+    plan = make_plan(PRESETS["deepseek-r1"], dp=64, max_tokens=128, backend="deepep_low_latency",
+                     redundant_experts=64)
+    e = plan["eplb"]
+    assert (plan["local_experts"], e["local_experts"], e["physical_experts"]) == (4, 5, 320)
+    assert e["weight_bytes"] * 4 == plan["weight_bytes"] * 5
+    assert e["deepep"]["ll_rdma_hint_bytes"] == deepep_ll_rdma_bytes(128, 7168, 64, 320)
+    assert e["deepep"]["ll_rdma_hint_bytes"] > plan["deepep"]["ll_rdma_hint_bytes"]
+    assert e["buffer_bytes"] > plan["buffer_bytes"]
+    assert plan["loads"]["zero"]["imbalance"] == 8.0
+    assert e["loads"]["zero"]["imbalance"] <= 1.01
+    assert e["loads"]["random"]["imbalance"] <= plan["loads"]["random"]["imbalance"]
+    assert eplb_refusal(plan) is None
+    text = format_plan(plan)
+    assert "EPLB: 320 physical experts" in text and "physical experts per rank" in text
+
+
+def test_plan_refuses_an_eplb_placement_that_does_not_fit(capsys):
+    """With 16 GiB a GPU the EPLB placement (weights 11.9 GiB + buffer 5.3 GiB) does not fit:
+    the plan says why with the numbers, and the CLI prints it and exits 1."""
+    from vllm_moe_fixes.cli import main
+    from vllm_moe_fixes.planner import eplb_refusal
+
+    args = ["plan", "--model", "deepseek-r1", "--dp", "64", "--max-tokens", "128",
+            "--backend", "deepep_low_latency", "--redundant-experts", "64",
+            "--gpu-memory-gib", "16"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "refused: the EPLB placement does not fit" in err
+    assert "weights 11.90 GiB, all-to-all buffer 5.31 GiB" in err and "vs 16 GiB" in err
+    plan = make_plan(PRESETS["mixtral-8x7b"], dp=2, redundant_experts=2)
+    assert plan["eplb"]["local_experts"] == 5 and eplb_refusal(plan) is None
+
+
+@pytest.mark.parametrize("redundant, match", [
+    (32, r"256 \+ 32 = 288 physical experts do not divide over ep=64"),
+    (-1, "redundant_experts=-1 must be an int >= 0"),
+    (True, "redundant_experts=True must be an int >= 0"),
+])
+def test_plan_bad_redundant_experts(redundant, match):
+    with pytest.raises(ValueError, match=match):
+        make_plan(PRESETS["deepseek-r1"], dp=64, redundant_experts=redundant)
+
+
+def test_plan_without_redundant_experts_has_no_eplb_part():
+    plan = make_plan(PRESETS["mixtral-8x7b"], dp=2)
+    assert plan["eplb"] is None and "EPLB" not in format_plan(plan)

@@ -149,6 +149,20 @@ class RankLoads:
     tokens: np.ndarray
 
 
+def _routed_sample(router: SimulatedRouter, *, num_tokens: int, inputs: str,
+                   sample_tokens: int) -> tuple[np.ndarray, float]:
+    """(top-k expert ids int64 [sample, k] of at most ``sample_tokens`` dummy tokens, the factor
+    that scales the sample's counts to ``num_tokens``)."""
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs={inputs!r}; allowed: {', '.join(INPUTS)}")
+    sample = min(num_tokens, sample_tokens)
+    if inputs == "zero":
+        ids = np.zeros(sample, dtype=np.int64)
+    else:
+        ids = np.random.default_rng([router.seed, 1]).integers(0, router.cfg.vocab_size, sample)
+    return router.route(ids), num_tokens / sample
+
+
 def simulate_loads(router: SimulatedRouter, *, ep: int, num_tokens: int, inputs: str,
                    sample_tokens: int = SAMPLE_TOKENS) -> RankLoads:
     """Route ``num_tokens`` dummy tokens ("zero" or "random" ids) and count each EP rank's load.
@@ -160,20 +174,29 @@ def simulate_loads(router: SimulatedRouter, *, ep: int, num_tokens: int, inputs:
     cfg = router.cfg
     if cfg.num_experts % ep:
         raise ValueError(f"ep={ep} does not divide {cfg.name}'s {cfg.num_experts} experts")
-    if inputs not in INPUTS:
-        raise ValueError(f"inputs={inputs!r}; allowed: {', '.join(INPUTS)}")
-    sample = min(num_tokens, sample_tokens)
-    if inputs == "zero":
-        ids = np.zeros(sample, dtype=np.int64)
-    else:
-        ids = np.random.default_rng([router.seed, 1]).integers(0, cfg.vocab_size, sample)
-    rank = router.route(ids) // (cfg.num_experts // ep)  # [T, k]
+    ids, scale = _routed_sample(router, num_tokens=num_tokens, inputs=inputs,
+                                sample_tokens=sample_tokens)
+    rank = ids // (cfg.num_experts // ep)  # [T, k]
     slots = np.bincount(rank.ravel(), minlength=ep)
-    hit = np.zeros((sample, ep), dtype=bool)
+    hit = np.zeros((len(ids), ep), dtype=bool)
     np.put_along_axis(hit, rank, True, axis=1)
-    scale = num_tokens / sample
     return RankLoads(np.rint(slots * scale).astype(np.int64),
                      np.rint(hit.sum(0) * scale).astype(np.int64))
+
+
+def simulate_eplb_loads(router: SimulatedRouter, *, ep: int, num_physical: int, num_tokens: int,
+                        inputs: str, sample_tokens: int = SAMPLE_TOKENS) -> RankLoads:
+    """Each EP rank's load once our rebalancer (``eplb.rebalance``) has placed ``num_physical``
+    physical experts from the same routed sample (a logical expert's slots split evenly over its
+    replicas). ``tokens`` is an upper bound: the slots a rank receives, at most every token."""
+    from vllm_moe_fixes.eplb.rebalance import rank_loads, rebalance
+
+    ids, scale = _routed_sample(router, num_tokens=num_tokens, inputs=inputs,
+                                sample_tokens=sample_tokens)
+    load = np.bincount(ids.ravel(), minlength=router.cfg.num_experts) * scale
+    slots = rank_loads(load, rebalance(load, num_physical=num_physical, world_size=ep), ep)
+    return RankLoads(np.rint(slots).astype(np.int64),
+                     np.rint(np.minimum(slots, num_tokens)).astype(np.int64))
 
 
 def _layer(cfg: MoEModelConfig, *, layout: str, tokens: int, local_num_experts: int,
@@ -249,15 +272,17 @@ def _check_arguments(dp, ep, max_tokens, backend, gpu_memory_gib, seed) -> tuple
     return ep, max_tokens, backend
 
 
-def _size_buffers(cfg: MoEModelConfig, backend: str, ep: int, max_tokens: int) -> tuple[dict, dict]:
+def _size_buffers(cfg: MoEModelConfig, backend: str, ep: int, max_tokens: int,
+                  num_experts: int | None = None) -> tuple[dict, dict]:
     """DeepEP's byte counts for this group and the buffer the backend builds, with the same checks
-    as ``make_all2all_buffer`` (``check_deepep_config``).
+    as ``make_all2all_buffer`` (``check_deepep_config``), for ``num_experts`` physical experts
+    (default the model's; with EPLB, its logical plus redundant ones).
 
     Returns (deepep, cannot_serve): deepep holds the hints, the buffer's byte counts and its device
     footprint (``buffer_bytes``: 0 for one rank or the naive backend, which keep no standing
     buffer); cannot_serve is the flag {raised, detail} for a configuration DeepEP refuses.
     """
-    K, E = cfg.hidden_size, cfg.num_experts
+    K, E = cfg.hidden_size, cfg.num_experts if num_experts is None else num_experts
     nvl = envs.VLLM_DEEPEP_BUFFER_SIZE_MB * 2**20
     deepep = {"nvl_bytes": nvl,
               "nvl_hint_bytes": _hint_or_none(deepep_nvl_bytes, K, ep),
@@ -379,9 +404,59 @@ def _notes(loads: dict) -> dict:
     return notes
 
 
+def _check_redundant(cfg: MoEModelConfig, redundant_experts, ep: int) -> int:
+    """The physical expert count E + R; ValueError unless R is an int >= 0 and E + R divides
+    over the ep ranks (every rank holds the same number of physical experts)."""
+    if isinstance(redundant_experts, bool) or not isinstance(redundant_experts, int) \
+            or redundant_experts < 0:
+        raise ValueError(f"redundant_experts={redundant_experts!r} must be an int >= 0")
+    physical = cfg.num_experts + redundant_experts
+    if physical % ep:
+        raise ValueError(f"redundant_experts={redundant_experts}: {cfg.num_experts} + "
+                         f"{redundant_experts} = {physical} physical experts do not divide over "
+                         f"ep={ep} ranks (every rank holds the same number)")
+    return physical
+
+
+def _plan_eplb(cfg: MoEModelConfig, router: SimulatedRouter, without: dict, *, physical: int,
+               ep: int, max_tokens: int, backend: str, layout: str,
+               experts_pass_tokens: int | None, gpu_memory_gib: float) -> dict:
+    """The plan's ``eplb`` part: the same dummy run with ``physical`` experts placed by our
+    rebalancer. Local experts, weights, DeepEP buffers (the low-latency and V2 ones grow with
+    the expert count) and the busiest rank's memory; a flag per input kind where it does not
+    fit in ``gpu_memory_gib``, with the numbers beside those of ``without`` (no EPLB)."""
+    num_tokens = ep * min(max_tokens, envs.VLLM_FUSED_MOE_CHUNK_SIZE)
+    sims = {inputs: simulate_eplb_loads(router, ep=ep, num_physical=physical,
+                                        num_tokens=num_tokens, inputs=inputs)
+            for inputs in INPUTS}
+    deepep, cannot_serve = _size_buffers(cfg, backend, ep, max_tokens, num_experts=physical)
+    local = physical // ep
+    weight_bytes = _weight_bytes(cfg, local)
+    loads = _compute_loads(cfg, sims, layout=layout, local_num_experts=local,
+                           group_tokens=ep * max_tokens, max_tokens=max_tokens,
+                           fixed_bytes=weight_bytes + deepep["buffer_bytes"],
+                           experts_pass_tokens=experts_pass_tokens)
+    flags = {}
+    for inputs in INPUTS:
+        mem = loads[inputs]["memory_bytes"]
+        flags[f"eplb_does_not_fit_{inputs}_inputs"] = {
+            "raised": mem > gpu_memory_gib * 2**30,
+            "detail": f"{inputs} ids, {physical - cfg.num_experts} redundant experts ({local} "
+                      f"physical per rank): {_gib(mem)} per GPU at the busiest rank (weights "
+                      f"{_gib(weight_bytes)}, all-to-all buffer {_gib(deepep['buffer_bytes'])}, "
+                      f"one layer {_gib(mem - weight_bytes - deepep['buffer_bytes'])}) vs "
+                      f"{gpu_memory_gib:g} GiB; without EPLB "
+                      f"{_gib(without['loads'][inputs]['memory_bytes'])}"}
+    flags["eplb_deepep_cannot_serve"] = cannot_serve
+    return {"redundant_experts": physical - cfg.num_experts, "physical_experts": physical,
+            "local_experts": local, "weight_bytes": weight_bytes,
+            "buffer_bytes": deepep["buffer_bytes"], "deepep": deepep, "loads": loads,
+            "flags": flags}
+
+
 def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens: int | None = None,
               backend: str | None = None, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
-              seed: int = 0) -> dict:
+              seed: int = 0, redundant_experts: int | None = None) -> dict:
     """Plan one EP group's dummy run for zero and random ids; return a JSON-ready dict.
 
     Arguments:
@@ -404,12 +479,18 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
     layer_bytes, memory_bytes, largest_tensor of experts without the bound), weight_bytes,
     buffer_bytes (the DeepEP buffer's device footprint), deepep (v1.2.1's hints, V2's
     v2_hint_bytes and v2_buffer_bytes (None where V2 refuses the sizes), buffer_kwargs,
-    buffer_bytes), flags (name -> {raised, detail}), notes (name -> text), elapsed_s.
+    buffer_bytes), flags (name -> {raised, detail}), notes (name -> text), elapsed_s, and eplb:
+    None, or with ``redundant_experts`` R (int >= 0; E + R must divide over ep) the same dummy
+    run with E + R physical experts placed by ``eplb.rebalance``: redundant_experts,
+    physical_experts, local_experts, weight_bytes, buffer_bytes, deepep, loads (as above; the
+    tokens received are bounded by the slots) and flags (eplb_does_not_fit_<inputs>_inputs,
+    eplb_deepep_cannot_serve).
     """
     start = time.perf_counter()
     ep, max_tokens, backend = _check_arguments(dp, ep, max_tokens, backend, gpu_memory_gib, seed)
     chunk = envs.VLLM_FUSED_MOE_CHUNK_SIZE
     dispatch_chunk_tokens = min(max_tokens, chunk)
+    physical = None if redundant_experts is None else _check_redundant(cfg, redundant_experts, ep)
     router = SimulatedRouter(cfg, seed)
     # simulate_loads raises first when ep does not divide the expert count.
     sims = {inputs: simulate_loads(router, ep=ep, num_tokens=ep * dispatch_chunk_tokens,
@@ -426,6 +507,10 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
                            experts_pass_tokens=experts_pass_tokens)
     flags = _raise_flags(cfg, loads, deepep, cannot_serve, ep=ep, max_tokens=max_tokens,
                          gpu_memory_gib=gpu_memory_gib, backend=backend)
+    eplb = None if physical is None else _plan_eplb(
+        cfg, router, {"loads": loads}, physical=physical, ep=ep, max_tokens=max_tokens,
+        backend=backend, layout=layout, experts_pass_tokens=experts_pass_tokens,
+        gpu_memory_gib=gpu_memory_gib)
     return {
         "model": cfg.to_dict(), "dp": dp, "ep": ep, "max_tokens": max_tokens, "backend": backend,
         "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_num_experts,
@@ -434,7 +519,7 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
         "simulated_tokens": min(ep * dispatch_chunk_tokens, SAMPLE_TOKENS), "seed": seed,
         "inputs_in_effect": "random" if envs.VLLM_RANDOMIZE_DP_DUMMY_INPUTS and dp > 1 else "zero",
         "loads": loads, "weight_bytes": weight_bytes, "buffer_bytes": deepep["buffer_bytes"],
-        "deepep": deepep, "flags": flags, "notes": _notes(loads),
+        "deepep": deepep, "flags": flags, "notes": _notes(loads), "eplb": eplb,
         "elapsed_s": time.perf_counter() - start,
     }
 
@@ -452,6 +537,39 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
         lines.append("  ".join(cells).rstrip())
     return lines
+
+
+def _format_eplb(plan: dict) -> list[str]:
+    """The EPLB comparison: the busiest rank without and with E + R physical experts."""
+    e = plan["eplb"]
+    rows = [("per rank, zero / random ids", "no EPLB", f"EPLB, R={e['redundant_experts']}")]
+    for inputs in INPUTS:
+        off, on = plan["loads"][inputs], e["loads"][inputs]
+        rows += [(f"{inputs} ids",),
+                 ("  busiest / mean token-slots", f"{off['imbalance']:.2f}x",
+                  f"{on['imbalance']:.2f}x"),
+                 ("  memory (lower bound)", _gib(off["memory_bytes"]), _gib(on["memory_bytes"]))]
+    d_off, d_on = plan["deepep"], e["deepep"]
+    rows += [("physical experts per rank", str(plan["local_experts"]), str(e["local_experts"])),
+             ("expert weights (all layers)", _gib(plan["weight_bytes"]), _gib(e["weight_bytes"])),
+             ("all-to-all buffer footprint", _gib(plan["buffer_bytes"]), _gib(e["buffer_bytes"])),
+             ("DeepEP LL RDMA hint", _gib(d_off["ll_rdma_hint_bytes"]),
+              _gib(d_on["ll_rdma_hint_bytes"])),
+             ("DeepEP V2 hint", _gib(d_off["v2_hint_bytes"]), _gib(d_on["v2_hint_bytes"]))]
+    lines = [f"EPLB: {e['physical_experts']} physical experts placed by eplb.rebalance",
+             *_table(rows)]
+    for name, flag in e["flags"].items():
+        lines.append(f"[{'FLAG' if flag['raised'] else ' ok '}] {name}: {flag['detail']}")
+    return lines
+
+
+def eplb_refusal(plan: dict) -> str | None:
+    """Why the plan's EPLB placement does not fit (the raised flags' details), or None."""
+    if plan["eplb"] is None:
+        return None
+    raised = [flag["detail"] for name, flag in plan["eplb"]["flags"].items()
+              if flag["raised"] and name.startswith("eplb_does_not_fit")]
+    return "; ".join(raised) or None
 
 
 def format_plan(plan: dict) -> str:
@@ -514,5 +632,7 @@ def format_plan(plan: dict) -> str:
         lines.append(f"[{'FLAG' if flag['raised'] else ' ok '}] {name}: {flag['detail']}")
     for name, text in plan["notes"].items():
         lines.append(f"[info] {name}: {text}")
+    if plan["eplb"] is not None:
+        lines += ["", *_format_eplb(plan)]
     lines.append(f"(planned in {plan['elapsed_s']:.2f} s)")
     return "\n".join(lines)
