@@ -225,7 +225,7 @@ class _FakeElastic:
         return 2**21
 
     def dispatch(self, x, *, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
-                 do_cpu_sync):
+                 do_cpu_sync, async_with_compute_stream=False):
         q, s = x
         ids = torch.tensor([[0, -1], [-1, 1], [1, 0]] + [[0, 0]] * (self.rows - 3))
         w = torch.tensor([[0.5, float("nan")], [float("nan"), 0.25], [1.0, 2.0]]
@@ -238,7 +238,7 @@ class _FakeElastic:
         data = torch.zeros(self.rows, q.shape[1], dtype=q.dtype)
         return (data, torch.ones(self.rows, s.shape[1])), ids, w, Handle(), None
 
-    def combine(self, x, handle):
+    def combine(self, x, handle, async_with_compute_stream=False):
         return x[:1], None, None
 
 

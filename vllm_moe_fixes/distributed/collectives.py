@@ -57,9 +57,35 @@ def run_collective(collective: Callable[..., Any], /, *args: Any, **kwargs: Any)
         return
     aliases = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     collective(*aliases, **kwargs)
+    _wait_released(aliases)
+
+
+def start_collective(collective: Callable[..., Any], /, *args: Any,
+                     **kwargs: Any) -> Callable[[], None]:
+    """Start ``collective(*args, async_op=True, **kwargs)`` and return ``wait``: calling it
+    completes the collective (``work.wait()``: on CPU the host waits; on CUDA the current stream
+    waits for the backend's, no host synchronisation) and, as run_collective, returns once the
+    backend holds none of the CPU tensors among ``args``. The tensors must stay untouched until
+    ``wait`` returns; ``wait`` may be called more than once."""
+    aliases = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    work = collective(*aliases, async_op=True, **kwargs)
+
+    def wait() -> None:
+        nonlocal work
+        if work is not None:
+            work.wait()
+            work = None
+            _wait_released(aliases)
+
+    return wait
+
+
+def _wait_released(aliases: list) -> None:
+    """Return once the backend holds none of the CPU tensors among ``aliases`` (their only other
+    reference is the caller's list), or after RELEASE_TIMEOUT_S."""
     cpu = [a for a in aliases if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
     deadline = time.monotonic() + RELEASE_TIMEOUT_S
-    # An alias's use count is 1 when only this function refers to it.
+    # An alias's use count is 1 when only the caller's list refers to it.
     while any(a._use_count() > 1 for a in cpu) and time.monotonic() < deadline:
         time.sleep(0)  # releases the GIL; the worker needs none to drop these references
 

@@ -33,9 +33,20 @@ graph can capture it (the device-side steps live in ``ll_exchange``):
     A group of one rank skips the collectives (its all-gather and all-to-all are copies) and its
     combine sums the weighted expert outputs straight into the bf16 output.
 
+Asynchronous calls: ``dispatch`` / ``combine`` with ``async_finish=True`` and the low-latency
+pair with ``async_finish`` or ``return_recv_hook`` start their data exchange
+(``collectives.start_collective``: ``async_op=True``, gloo or NCCL) and return at once, with
+results that are valid once the returned ``Completion`` (the event, or the hook) has been called:
+it waits for the exchange and runs the steps that read what arrived (unpacking the packed rows,
+the low-latency routing, the combine's sums) into the tensors already returned. The
+high-throughput dispatch's count exchange stays synchronous (the receive size is a host-side
+shape, as in DeepEP). Under CUDA graph capture the low-latency calls complete before they return
+(their hook is then a no-op), so a capture holds no pending collective.
+
 Differences from DeepEP, by design:
-  * Everything is synchronous: ``async_finish`` and ``previous_event`` are accepted and ignored, the
-    returned events are ``None``, and a requested receive hook is a no-op callable.
+  * ``previous_event`` and ``allocate_on_comm_stream`` are accepted and ignored; events are
+    ``Completion`` objects (``current_stream_wait()`` completes the call), ``None`` for a
+    synchronous call.
   * Handles are private named tuples: pass them back, do not look inside.
   * ``num_worst_tokens`` and UE8M0 scales are not supported (``ValueError``); ``use_logfmt`` and
     ``zero_copy`` are accepted, combine is exact bf16/float32 either way.
@@ -49,6 +60,7 @@ Differences from DeepEP, by design:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -63,6 +75,7 @@ from vllm_moe_fixes.distributed.collectives import (
     check_same_pass,
     run_collective,
     stamp_digest,
+    start_collective,
 )
 from vllm_moe_fixes.sizes import align_up
 
@@ -86,6 +99,40 @@ class _LLHandle(NamedTuple):
     hidden: int
     num_experts: int
     workspace: ll.LLWorkspace       # the dispatch's tensors, reused by the combine
+
+
+class Completion:
+    """The rest of an asynchronous buffer call: waits for its exchange and runs the steps that
+    read what arrived. Called directly (a receive hook), or as DeepEP's ``EventOverlap`` through
+    ``current_stream_wait()``; it runs once, later calls return at once."""
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Callable[[], None] | None = finish
+
+    @property
+    def event(self) -> Completion | None:
+        """Not None while the call is pending (EventOverlap.event's role)."""
+        return self if self._finish is not None else None
+
+    def __call__(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    current_stream_wait = __call__
+
+
+def _completed() -> None:
+    """The receive hook of a call that completed before it returned."""
+
+
+def completion(finish: Callable[[], None], asynchronous: bool) -> Completion | None:
+    """Completion(finish) for an asynchronous call; else run finish now and return None (a
+    synchronous call's event)."""
+    if asynchronous:
+        return Completion(finish)
+    finish()
+    return None
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -168,38 +215,52 @@ class TorchAll2AllBuffer:
         return sizing.get_combine_config(num_ranks, TorchAll2AllBuffer.num_sms)
 
     # ----------------------------------------------------------------- communication primitives
-    def _exchange(self, send: torch.Tensor, send_splits: list[int],
-                  recv_splits: list[int]) -> torch.Tensor:
-        """all_to_all_single of the rows of ``send`` (any dtype; moved as bytes)."""
+    def _start_exchange(self, send: torch.Tensor, send_splits: list[int],
+                        recv_splits: list[int]) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Start an all_to_all_single of the rows of ``send`` (any dtype; moved as bytes): the
+        received rows [sum(recv_splits), ...] of send's dtype, valid once ``wait()`` returned."""
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
         payload = _dense(send).view(torch.uint8).reshape(send.shape[0], row_bytes)
         out = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=send.device)
+        wait = _completed
         if row_bytes:
-            run_collective(dist.all_to_all_single, out, payload, recv_splits, send_splits,
-                           group=self.group)
-        return out.view(send.dtype).view(out.shape[0], *send.shape[1:])
+            wait = self._start(dist.all_to_all_single, out, payload, recv_splits, send_splits,
+                               group=self.group)
+        return out.view(send.dtype).view(out.shape[0], *send.shape[1:]), wait
 
-    def _exchange_packed(self, fields: list[torch.Tensor], send_splits: list[int],
-                         recv_splits: list[int],
-                         rows: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Move the rows of several tensors [T, ...] (any dtypes, same T) in ONE all_to_all_single.
+    def _start(self, collective, *args, **kwargs) -> Callable[[], None]:
+        """Every exchange of the data starts here (collectives.start_collective); a stand-in
+        that models the link (testing.DelayedAll2AllBuffer) overrides it."""
+        return start_collective(collective, *args, **kwargs)
 
-        Each row's fields are packed into one uint8 row (``rows``: the row indices to send, in send
-        order; None: all rows), exchanged, and sliced back into contiguous tensors [T', ...]."""
+    def _start_exchange_packed(self, fields: list[torch.Tensor], send_splits: list[int],
+                               recv_splits: list[int], rows: torch.Tensor | None = None
+                               ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """Start moving the rows of several tensors [T, ...] (any dtypes, same T) in ONE
+        all_to_all_single: ([T', ...] per field, finish). Each row's fields are packed into one
+        uint8 row (``rows``: the row indices to send, in send order; None: all rows); ``finish()``
+        waits and slices the received rows into the returned contiguous tensors."""
         if len(fields) == 1:
             send = fields[0] if rows is None else fields[0][rows]
-            return [self._exchange(send, send_splits, recv_splits)]
+            got, wait = self._start_exchange(send, send_splits, recv_splits)
+            return [got], wait
         t = fields[0].shape[0]
         widths = [math.prod(f.shape[1:]) * f.element_size() for f in fields]
         payload = torch.cat([_dense(f).view(torch.uint8).reshape(t, w)
                              for f, w in zip(fields, widths)], 1)
-        got = self._exchange(payload if rows is None else payload[rows], send_splits, recv_splits)
-        out, start = [], 0
-        for f, w in zip(fields, widths):
-            field = _dense(got[:, start:start + w]).view(f.dtype)
-            out.append(field.view(got.shape[0], *f.shape[1:]))
-            start += w
-        return out
+        got, wait = self._start_exchange(payload if rows is None else payload[rows],
+                                         send_splits, recv_splits)
+        outs = [torch.empty(got.shape[0], *f.shape[1:], dtype=f.dtype, device=f.device)
+                for f in fields]
+
+        def finish() -> None:
+            wait()
+            start = 0
+            for out, w in zip(outs, widths):
+                out.view(torch.uint8).view(got.shape[0], w).copy_(got[:, start:start + w])
+                start += w
+
+        return outs, finish
 
     def _all_gather(self, slab: torch.Tensor) -> torch.Tensor:
         """[n, ...] on every rank -> [R, n, ...]: rank s's slab at index s (a fixed-size
@@ -268,7 +329,9 @@ class TorchAll2AllBuffer:
                 contiguous, both given or neither.
             expert_alignment: each received per-expert count is rounded up to a multiple of this.
             num_worst_tokens: must be 0 (not supported).
-            config, previous_event, async_finish, allocate_on_comm_stream: accepted, ignored.
+            async_finish: return once the rows are on their way; the results are valid after
+                ``event.current_stream_wait()`` (the count exchange has completed either way).
+            config, previous_event, allocate_on_comm_stream: accepted, ignored.
 
         Returns:
             recv_x: like x, [T', ...]: the tokens received, grouped by source rank, token order.
@@ -277,8 +340,8 @@ class TorchAll2AllBuffer:
                 sent).
             num_recv_tokens_per_expert_list: list of E_l ints.
             handle: pass to ``combine`` (or to a cached ``dispatch``).
-            event: None.
-            With a handle: (recv_x, None, None, None, None, None).
+            event: a Completion with ``async_finish``, else None.
+            With a handle: (recv_x, None, None, None, None, event).
         """
         if num_worst_tokens:
             raise ValueError(f"num_worst_tokens={num_worst_tokens}: not supported by "
@@ -293,8 +356,9 @@ class TorchAll2AllBuffer:
                   "handle must be the one this buffer's dispatch returned")
             checks.check_cached_dispatch(x_data, topk_idx, topk_weights,
                                          handle.is_token_in_rank.shape[0])
-            got = self._send_rows(handle, fields)
-            return (got[0] if x_scales is None else tuple(got)), None, None, None, None, None
+            got, finish = self._send_rows(handle, fields)
+            event = completion(finish, async_finish)
+            return (got[0] if x_scales is None else tuple(got)), None, None, None, None, event
 
         local_num_experts = checks.check_layout(
             x_data.shape[0], self.group_size, num_tokens_per_rank, is_token_in_rank,
@@ -305,12 +369,19 @@ class TorchAll2AllBuffer:
                            send_splits, recv_splits)
         if topk_idx is not None:
             fields += [topk_idx, topk_weights]
-        got = self._send_rows(handle, fields)
+        got, received = self._send_rows(handle, fields)
         recv_x = tuple(got[:2]) if x_scales is not None else got[0]
         recv_idx = recv_w = None
         if topk_idx is not None:
-            recv_idx, recv_w = self._localise(*got[-2:], local_num_experts)
-        return recv_x, recv_idx, recv_w, per_expert_list, handle, None
+            recv_idx, recv_w = got[-2:]
+
+        def finish() -> None:
+            received()
+            if recv_idx is not None:
+                self._localise(recv_idx, recv_w, local_num_experts)
+
+        event = completion(finish, async_finish)
+        return recv_x, recv_idx, recv_w, per_expert_list, handle, event
 
     def combine(self, x: torch.Tensor, handle: _HTHandle, topk_weights: torch.Tensor | None = None,
                 bias=None, config=None, previous_event=None, async_finish: bool = False,
@@ -324,12 +395,14 @@ class TorchAll2AllBuffer:
             handle: the handle ``dispatch`` returned.
             topk_weights: optional float32 [T', k] contiguous, summed back the same way.
             bias: optional bf16 [T, H] contiguous tensor or tuple of up to two, added to the result.
-            config, previous_event, async_finish, allocate_on_comm_stream: accepted, ignored.
+            async_finish: return once the rows are on their way; the results are valid after
+                ``event.current_stream_wait()``.
+            config, previous_event, allocate_on_comm_stream: accepted, ignored.
 
         Returns:
             combined_x: bf16 [T, H] (float32 accumulation; tokens sent nowhere are zero).
             combined_topk_weights: float32 [T, k] or None.
-            event: None.
+            event: a Completion with ``async_finish``, else None.
         """
         check(isinstance(handle, _HTHandle),
               "combine needs the handle returned by this buffer's dispatch")
@@ -337,17 +410,25 @@ class TorchAll2AllBuffer:
         checks.check_combine(x, topk_weights, bias, sum(handle.recv_splits), t)
         fields = [x] + ([topk_weights] if topk_weights is not None else [])
         # x and the weights in one exchange
-        back = self._exchange_packed(fields, handle.recv_splits, handle.send_splits)
-        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, handle.send_rows, back[0].float())
-        for b in (bias if isinstance(bias, tuple) else (bias,)):
-            if b is not None:
-                out += b.float()
+        back, received = self._start_exchange_packed(fields, handle.recv_splits,
+                                                     handle.send_splits)
+        combined = torch.empty(t, x.shape[1], dtype=x.dtype, device=x.device)
         combined_w = None
         if topk_weights is not None:
             combined_w = torch.zeros(t, topk_weights.shape[1], dtype=torch.float32, device=x.device)
-            combined_w.index_add_(0, handle.send_rows, back[1])
-        return out.to(x.dtype), combined_w, None
+
+        def finish() -> None:
+            received()
+            out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+            out.index_add_(0, handle.send_rows, back[0].float())
+            for b in (bias if isinstance(bias, tuple) else (bias,)):
+                if b is not None:
+                    out += b.float()
+            combined.copy_(out)
+            if combined_w is not None:
+                combined_w.index_add_(0, handle.send_rows, back[1])
+
+        return combined, combined_w, completion(finish, async_finish)
 
     # High-throughput steps.
     def _agree_counts(self, num_tokens_per_rank, num_tokens_per_expert, expert_alignment):
@@ -420,16 +501,20 @@ class TorchAll2AllBuffer:
         order = torch.sort((~mask).to(torch.uint8), stable=True).indices[:sum(send_splits)]
         return order % t
 
-    def _localise(self, recv_idx: torch.Tensor, recv_w: torch.Tensor, local_num_experts: int):
-        """Received global ids -> local ids of experts here, -1 (weight 0) elsewhere."""
-        local = recv_idx - self.rank * local_num_experts
-        here = (recv_idx >= 0) & (local >= 0) & (local < local_num_experts)
-        return torch.where(here, local, -1), torch.where(here, recv_w, 0.0)
+    def _localise(self, recv_idx: torch.Tensor, recv_w: torch.Tensor,
+                  local_num_experts: int) -> None:
+        """Received global ids -> local ids of experts here, -1 (weight 0) elsewhere, in place."""
+        recv_idx.sub_(self.rank * local_num_experts)
+        elsewhere = (recv_idx < 0) | (recv_idx >= local_num_experts)  # -1 went below 0 too
+        recv_idx.masked_fill_(elsewhere, -1)
+        recv_w.masked_fill_(elsewhere, 0.0)
 
-    def _send_rows(self, handle: _HTHandle, fields: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The handle's rows of each [T, ...] field, sent in one exchange: [T', ...] each."""
-        return self._exchange_packed(fields, handle.send_splits, handle.recv_splits,
-                                     rows=handle.send_rows)
+    def _send_rows(self, handle: _HTHandle, fields: list[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """Start sending the handle's rows of each [T, ...] field in one exchange: ([T', ...]
+        each, finish)."""
+        return self._start_exchange_packed(fields, handle.send_splits, handle.recv_splits,
+                                           rows=handle.send_rows)
 
     # ----------------------------------------------------------------- low-latency mode
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -457,7 +542,9 @@ class TorchAll2AllBuffer:
             use_fp8: quantise per 1x128 group as DeepEP does (scale_inv = amax / 448, amax floored
                 at 1e-4; ``round_scale`` rounds scale_inv up to a power of two). ``use_ue8m0`` is
                 refused.
-            async_finish, return_recv_hook: mutually exclusive; the hook is a no-op.
+            async_finish, return_recv_hook: mutually exclusive; either returns once the slab is on
+                its way, and the results are valid after the event's ``current_stream_wait()`` or
+                the hook's call (under CUDA graph capture: at once, the hook a no-op).
 
         Returns:
             recv_x: fp8: (float8_e4m3fn [E_l, R*N, H], float32 scales [E_l, R*N, H/128] with
@@ -466,8 +553,8 @@ class TorchAll2AllBuffer:
             recv_count: int32 [E_l] valid rows per local expert (grouped by source rank,
                 token order).
             handle: pass to ``low_latency_combine``.
-            event: None.
-            hook: a no-op callable with ``return_recv_hook``, else None.
+            event: a Completion with ``async_finish``, else None.
+            hook: a Completion with ``return_recv_hook``, else None.
 
         recv_x, recv_count and the handle live in the buffer, as DeepEP's low-latency results do:
         the buffer holds two sets per size (N, k, H, E_l, use_fp8, device) and dispatches take
@@ -481,17 +568,23 @@ class TorchAll2AllBuffer:
         ws = self._ll_workspace(n, topk_idx.shape[1], x.shape[1], local_num_experts, use_fp8,
                                 x.device)
         ll.pack(x, topk_idx, *ws.send_fields, round_scale)
+        gathered = _completed
         if self.group_size > 1:  # [R*N, row] bytes: every rank's slab
-            run_collective(_all_gather, ws.gathered, ws.slab, group=self.group)
-        ids, scales, data = ws.recv_fields
-        route = ll.route(ids, self.rank, local_num_experts,
-                         (ws.served, ws.local, ws.pos, ws.recv_row, ws.recv_count))
-        ll.scatter_rows(data, ws.recv_bytes, *route[:3], scales, ws.recv_scales)
-        recv_x = ws.recv if scales is None else (ws.recv, ws.recv_scales)
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += ws.recv_count
+            gathered = self._start(_all_gather, ws.gathered, ws.slab, group=self.group)
+
+        def finish() -> None:
+            gathered()
+            ids, scales, data = ws.recv_fields
+            route = ll.route(ids, self.rank, local_num_experts,
+                             (ws.served, ws.local, ws.pos, ws.recv_row, ws.recv_count))
+            ll.scatter_rows(data, ws.recv_bytes, *route[:3], scales, ws.recv_scales)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(ws.recv_count)
+
+        recv_x = ws.recv if not use_fp8 else (ws.recv, ws.recv_scales)
         handle = _LLHandle(ws.recv_row, ws.served, x.shape[0], n, x.shape[1], num_experts, ws)
-        return recv_x, ws.recv_count, handle, None, ((lambda: None) if return_recv_hook else None)
+        return (recv_x, ws.recv_count, handle,
+                *self._ll_completion(finish, x, async_finish, return_recv_hook))
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: _LLHandle,
@@ -511,11 +604,13 @@ class TorchAll2AllBuffer:
             out: optional bf16 [T, H] contiguous, written and returned.
             use_logfmt, zero_copy: accepted, ignored (combine is exact).
             combine_wait_recv_cost_stats: optional int64 [R] contiguous, left untouched.
-            async_finish, return_recv_hook: mutually exclusive; the hook is a no-op.
+            async_finish, return_recv_hook: mutually exclusive; as in ``low_latency_dispatch``
+                (out is written when the event or hook completes the call).
 
         Returns:
             combined_x: bf16 [T, H] = sum over slots j with topk_idx[t, j] >= 0 of
-                topk_weights[t, j] * expert output (float32 accumulation); event: None; hook.
+                topk_weights[t, j] * expert output (float32 accumulation); event; hook (a
+                Completion where asked for, else None).
         """
         self._check_ll_combine(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
                                async_finish, return_recv_hook)
@@ -526,17 +621,31 @@ class TorchAll2AllBuffer:
         if self.group_size == 1:  # its own T rows, summed straight into out
             ll.partial_sums(x.view(-1, h), handle.recv_row[:t], handle.served[:t], topk_weights,
                             out)
-            return out, None, ((lambda: None) if return_recv_hook else None)
+            return out, *self._ll_completion(_completed, x, async_finish, return_recv_hook)
         ws.weights[:t] = topk_weights  # rows T..N-1 are never read (their ids are -1)
         run_collective(_all_gather, ws.gathered_weights, ws.weights, group=self.group)
         # [R*N, H] float32: block s goes back to rank s, block s of `back` came from rank s.
         ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, ws.gathered_weights,
                         ws.partial)
-        run_collective(dist.all_to_all_single, ws.back, ws.partial, group=self.group)
-        # The sum over source ranks goes into `partial`, dead once the all-to-all has read it.
-        total = torch.sum(ws.back.view(self.group_size, n, h)[:, :t], 0, out=ws.partial[:t])
-        out.copy_(total)
-        return out, None, ((lambda: None) if return_recv_hook else None)
+        sent = self._start(dist.all_to_all_single, ws.back, ws.partial, group=self.group)
+
+        def finish() -> None:
+            sent()
+            # The sum over source ranks goes into `partial`, dead once the all-to-all has read it.
+            total = torch.sum(ws.back.view(self.group_size, n, h)[:, :t], 0, out=ws.partial[:t])
+            out.copy_(total)
+
+        return out, *self._ll_completion(finish, x, async_finish, return_recv_hook)
+
+    @staticmethod
+    def _ll_completion(finish: Callable[[], None], x: torch.Tensor, async_finish: bool,
+                       return_recv_hook: bool) -> tuple:
+        """(event, hook) of a low-latency call: finish pending in a Completion where the caller
+        asked for one, outside CUDA graph capture; otherwise run at once (the hook a no-op)."""
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        done = completion(finish, (async_finish or return_recv_hook) and not capturing)
+        hook = (done or _completed) if return_recv_hook else None
+        return (done if async_finish else None), hook
 
     # Low-latency steps.
     def _ll_workspace(self, n: int, k: int, h: int, local_num_experts: int, use_fp8: bool,

@@ -26,8 +26,10 @@ checks what V2 asserts (ValueError naming the argument and rule), including that
 ``num_bytes`` holds the call's layouts (``deepep_v2_sizing``), as V2's dispatch and combine do.
 
 Differences from DeepEP, by design:
-  * Synchronous: ``event`` is None (DeepEP returns an ``EventOverlap`` whose event is None
-    unless ``async_with_compute_stream``); stream and SM arguments are accepted and ignored.
+  * ``async_with_compute_stream=True`` returns once the rows are on their way, with a
+    ``torch_buffer.Completion`` as the event: the results (padding, layouts and counts included)
+    are valid after ``event.current_stream_wait()``. Otherwise ``event`` is None. Stream and SM
+    arguments are accepted and ignored.
   * The receive counts are always read on the host (the exchange needs them), also with
     do_cpu_sync=False, which only changes the shapes: this buffer is not CUDA-graph capturable.
     Rows past the valid prefix hold poison (NaN data and weights, ids 2**40), as uninitialised
@@ -39,6 +41,7 @@ Differences from DeepEP, by design:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +49,7 @@ import torch.distributed as dist
 
 from vllm_moe_fixes._validate import check, check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed import deepep_v2_sizing as v2
-from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
+from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer, completion
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, empty_mn_major_scales
 
 # Id written into the rows past the valid prefix of a no-sync dispatch: far out of any range.
@@ -182,13 +185,15 @@ class TorchElasticBuffer:
             do_expand, do_zero_padding: must be False (the expanded layout is not served).
             use_tma_aligned_col_major_sf: received scales [T', S] with strides (1, align(T', 4))
                 instead of row-major.
-            num_sms, num_qps, previous_event*, async_with_compute_stream,
-                allocate_on_comm_stream: accepted, ignored (synchronous).
+            async_with_compute_stream: return once the rows are on their way (the count
+                exchange has completed); the results are valid after
+                ``event.current_stream_wait()``.
+            num_sms, num_qps, previous_event*, allocate_on_comm_stream: accepted, ignored.
 
         Returns:
             recv_x: like x, [T', H] (and scales [T', S]); recv_topk_idx: int64 [T', k] local ids,
             -1 elsewhere; recv_topk_weights: float32 [T', k] or None; handle: TorchEPHandle;
-            event: None.
+            event: a Completion with async_with_compute_stream, else None.
         """
         check(self._alive, "dispatch on a destroyed buffer")
         check(not do_expand and not do_zero_padding, "do_expand / do_zero_padding: the expanded "
@@ -197,7 +202,8 @@ class TorchElasticBuffer:
         if handle is not None:
             return self._cached_dispatch(x, x_data, topk_idx, topk_weights, num_experts,
                                          num_max_tokens_per_rank, expert_alignment, handle,
-                                         do_cpu_sync, use_tma_aligned_col_major_sf)
+                                         do_cpu_sync, use_tma_aligned_col_major_sf,
+                                         async_with_compute_stream)
         n, local_num_experts, alignment = self._check_dispatch(
             x_data, x_scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
             num_experts, num_max_tokens_per_rank, expert_alignment)
@@ -206,14 +212,19 @@ class TorchElasticBuffer:
         per_rank, per_rdma, per_expert, in_rank, _ = ex.get_dispatch_layout(topk_idx, num_experts)
         weights = topk_weights if topk_weights is not None else torch.zeros(
             topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
-        recv_x, recv_idx, recv_w, counts, ex_handle, _ = ex.dispatch(
+        recv_x, recv_idx, recv_w, counts, ex_handle, received = ex.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-            topk_weights=weights, expert_alignment=alignment)
+            topk_weights=weights, expert_alignment=alignment, async_finish=True)
         valid = recv_idx.shape[0]
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += self._local_counts(recv_idx, local_num_experts)
         rows = valid if sync else self.num_ranks * n
+        then = [received]  # run in order once the rows are here
+        if cumulative_local_expert_recv_stats is not None:
+            stats = cumulative_local_expert_recv_stats
+            then.append(lambda: stats.add_(self._local_counts(recv_idx, local_num_experts)))
+        padded_idx = self._pad(recv_idx, rows, _POISON_ID, then)
+        recv_x = self._received(recv_x, rows, use_tma_aligned_col_major_sf, then)
+        recv_w = self._pad(recv_w, rows, float("nan"), then) if topk_weights is not None else None
         handle = TorchEPHandle(
             do_expand=False, num_experts=num_experts, expert_alignment=alignment,
             num_max_tokens_per_rank=n,
@@ -222,11 +233,9 @@ class TorchElasticBuffer:
             psum_num_recv_tokens_per_scaleup_rank=self._psum(
                 ex_handle.recv_splits, self.num_scaleup_ranks, topk_idx.device),
             psum_num_recv_tokens_per_expert=self._psum(counts, len(counts), topk_idx.device),
-            recv_topk_idx=self._pad(recv_idx, rows, _POISON_ID), exchange=ex_handle,
-            num_valid=valid)
-        recv_x = self._received(recv_x, rows, use_tma_aligned_col_major_sf)
-        recv_w = self._pad(recv_w, rows, float("nan")) if topk_weights is not None else None
-        return recv_x, handle.recv_topk_idx, recv_w, handle, None
+            recv_topk_idx=padded_idx, exchange=ex_handle, num_valid=valid)
+        event = completion(_in_order(then), async_with_compute_stream)
+        return recv_x, padded_idx, recv_w, handle, event
 
     def combine(self, x: torch.Tensor, handle: TorchEPHandle,
                 topk_weights: torch.Tensor | None = None, bias=None, num_sms: int = 0,
@@ -241,12 +250,14 @@ class TorchElasticBuffer:
             topk_weights: optional float32 [handle.num_recv_tokens, k] contiguous: each slot's
                 weight comes back from the rank owning its expert (0 where the id is -1).
             bias: optional bf16 [T, H] contiguous, or a tuple of two, added to the result.
-            num_sms, num_qps, previous_event*, async_with_compute_stream,
-                allocate_on_comm_stream: accepted, ignored.
+            async_with_compute_stream: return once the rows are on their way; the results are
+                valid after ``event.current_stream_wait()``.
+            num_sms, num_qps, previous_event*, allocate_on_comm_stream: accepted, ignored.
 
         Returns:
             combined_x: bf16 [T, H] (float32 sums, rounded once; tokens sent nowhere get bias
-            or 0); combined_topk_weights: float32 [T, k] or None; event: None.
+            or 0); combined_topk_weights: float32 [T, k] or None; event: a Completion with
+            async_with_compute_stream, else None.
         """
         check(self._alive, "combine on a destroyed buffer")
         check(isinstance(handle, TorchEPHandle),
@@ -265,13 +276,14 @@ class TorchElasticBuffer:
         self._check_bytes("combine", v2.combine_buffer_bytes(
             handle.num_max_tokens_per_rank, x.shape[1], num_topk=k,
             allow_multiple_reduction=self.allow_multiple_reduction, **self._topology()))
-        combined, combined_w, _ = self._exchange.combine(x[:v], handle.exchange,
-                                                         topk_weights=topk_weights, bias=bias)
-        return combined, combined_w, None
+        combined, combined_w, received = self._exchange.combine(
+            x[:v], handle.exchange, topk_weights=topk_weights, bias=bias,
+            async_finish=async_with_compute_stream)
+        return combined, combined_w, received
 
     # ----------------------------------------------------------------- steps
     def _cached_dispatch(self, x, x_data, topk_idx, topk_weights, num_experts, n, alignment,
-                         handle, do_cpu_sync, col_major_sf):
+                         handle, do_cpu_sync, col_major_sf, asynchronous):
         """A dispatch reusing ``handle``'s layout: (recv_x, recv_topk_idx, None, handle, None)."""
         check(isinstance(handle, TorchEPHandle), "handle must be one this buffer's dispatch "
               "returned")
@@ -285,27 +297,32 @@ class TorchElasticBuffer:
         check(all(g is None or g == h for g, h in zip(given, kept)),
               f"(num_experts, expert_alignment, num_max_tokens_per_rank) = {given} must match "
               f"the handle's {kept}")
-        recv_x = self._exchange.dispatch(x, handle=handle.exchange)[0]
-        return (self._received(recv_x, handle.num_recv_tokens, col_major_sf),
-                handle.recv_topk_idx, None, handle, None)
+        recv_x, _, _, _, _, received = self._exchange.dispatch(x, handle=handle.exchange,
+                                                               async_finish=True)
+        then = [received]
+        recv_x = self._received(recv_x, handle.num_recv_tokens, col_major_sf, then)
+        return recv_x, handle.recv_topk_idx, None, handle, completion(_in_order(then), asynchronous)
 
-    def _received(self, recv_x, rows: int, col_major_sf: bool):
-        """recv_x padded to ``rows`` rows (poison past the valid ones), scales laid out."""
+    def _received(self, recv_x, rows: int, col_major_sf: bool, then: list):
+        """recv_x padded to ``rows`` rows (poison past the valid ones), scales laid out; the
+        copies of what arrives are appended to ``then``."""
         if not isinstance(recv_x, tuple):
-            return self._pad(recv_x, rows, float("nan"))
-        data, scales = self._pad(recv_x[0], rows, float("nan")), self._pad(
-            recv_x[1], rows, float("nan"))
+            return self._pad(recv_x, rows, float("nan"), then)
+        data, scales = self._pad(recv_x[0], rows, float("nan"), then), self._pad(
+            recv_x[1], rows, float("nan"), then)
         if col_major_sf:
-            scales = empty_mn_major_scales(scales.shape, scales.device).copy_(scales)
+            received, scales = scales, empty_mn_major_scales(scales.shape, scales.device)
+            then.append(lambda: scales.copy_(received))
         return data, scales
 
     @staticmethod
-    def _pad(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
-        """t [r, ...] extended to [rows, ...] with ``fill`` (t itself when r == rows)."""
+    def _pad(t: torch.Tensor, rows: int, fill, then: list) -> torch.Tensor:
+        """t [r, ...] extended to [rows, ...] with ``fill`` (t itself when r == rows); the copy
+        of t's rows, to run once they hold what arrives, is appended to ``then``."""
         if t.shape[0] == rows:
             return t
         out = torch.empty(rows, *t.shape[1:], dtype=t.dtype, device=t.device)
-        out[:t.shape[0]] = t
+        then.append(lambda: out[:t.shape[0]].copy_(t))
         if t.dtype == FP8_DTYPE:
             out[t.shape[0]:].view(torch.uint8).fill_(0x7F)  # NaN
         else:
@@ -374,3 +391,12 @@ class TorchElasticBuffer:
             n, x.shape[1], elem_bytes=elem, num_sf_packs=packs, num_topk=k,
             **self._topology()))
         return n, local_num_experts, alignment
+
+
+
+def _in_order(steps: list[Callable[[], object]]) -> Callable[[], None]:
+    """One call running ``steps`` in order."""
+    def run() -> None:
+        for step in steps:
+            step()
+    return run

@@ -25,7 +25,19 @@ the ranks, so ranks that planned different passes raise together. Under CUDA gra
 is read on the host: high-throughput mode is refused, and low-latency mode without
 max_tokens_across_ranks runs one pass (``num_chunks``).
 
-One object serves one layer pass at a time: prepare keeps the dispatch handle for finalize.
+Asynchronous: ``prepare_async`` / ``finalize_async`` start the dispatch / combine and return a
+receiver that waits for it (vLLM's contract); ``prepare`` / ``finalize`` are the same calls waited
+for at once. The buffer's own machinery carries the transfer: DeepEP's ``async_finish`` and
+``EventOverlap`` (high-throughput: DeepEP orders each call after the work already on the compute
+stream), its ``return_recv_hook`` (low-latency:
+the send kernel now, the receive kernel in the receiver, both on the caller's stream, so a CUDA
+graph can capture them), V2's ``async_with_compute_stream`` event; the torch buffers start their
+exchange with ``async_op=True`` and complete it in the receiver. Nothing is read on the host that
+the synchronous call does not read.
+
+Each prepare's PrepareResult carries the dispatch handle its finalize needs (``handle``): with
+several micro-batches in flight, pass it to finalize_async; without it, finalize takes the last
+prepare's.
 
 V2 (STANDARD format, DeepEP V2's ``ElasticBuffer``): one dispatch for prefill and decode (DeepEP
 main at dd758caf, ``deep_ep/buffers/elastic.py``). Of its two receive layouts this uses the
@@ -68,7 +80,7 @@ from vllm_moe_fixes.distributed.collectives import (
 )
 from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
-    PrepareAndFinalize,
+    AsyncPrepareAndFinalize,
     PrepareResult,
 )
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
@@ -134,7 +146,14 @@ def buffer_rank_and_size(buffer) -> tuple:
             getattr(buffer, "group_size", getattr(buffer, "num_ranks", None)))
 
 
-class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
+def _wait(event) -> None:
+    """Make what an asynchronous buffer call returned valid on the current stream: DeepEP's
+    EventOverlap, or the torch buffers' Completion (None: the call completed)."""
+    if event is not None and event.event is not None:
+        event.current_stream_wait()
+
+
+class _DeepEPPrepareAndFinalize(AsyncPrepareAndFinalize):
     """What both DeepEP modes share: the buffer, the rank count, chunks agreed across ranks and
     the dispatch state kept from prepare to finalize."""
 
@@ -239,7 +258,13 @@ class _DeepEPPrepareAndFinalize(PrepareAndFinalize):
         else:
             self.buffer.pass_stamp = NO_STAMP
 
-    def _take_pending(self):
+    def _take_pending(self, handle=None):
+        """The dispatch state finalize combines with: ``handle`` (a PrepareResult.handle), else
+        the last prepare's."""
+        if handle is not None:
+            if handle is self._pending:
+                self._pending = None
+            return handle
         if self._pending is None:
             raise ValueError("finalize called without a preceding prepare")
         pending, self._pending = self._pending, None
@@ -299,20 +324,28 @@ class PlacedExpertsPrepareAndFinalize(_DeepEPPrepareAndFinalize):
                 f"elsewhere; expert_map[{g}] = {got[g]}, not {want[g]}")
         self._checked_map = key
 
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input, *, output_is_reduced: bool = False) -> None:
-        """Combine the experts' output back to the source ranks into output [M, K].
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input, *, output_is_reduced: bool = False,
+                       handle=None):
+        """Start combining the experts' output back to the source ranks; the receiver writes
+        output [M, K].
 
         fused_expert_output: [M', K] already weighted and summed (output_is_reduced), combined as
         it is; or [M', k, K], first summed over k with the received weights (float32 math; none
         when the weights went on the input). Slots with id -1 hold exact zeros: the standard
-        experts guarantee it (a zero weight alone would not cancel garbage, 0 * NaN = NaN)."""
-        handle = self._take_pending()
+        experts guarantee it (a zero weight alone would not cancel garbage, 0 * NaN = NaN).
+        handle: the prepare's PrepareResult.handle (None: the last prepare's)."""
+        handle = self._take_pending(handle)
         weights = None if apply_router_weight_on_input else topk_weights
         reduced = fused_expert_output if output_is_reduced else moe_sum(
             fused_expert_output, topk_weights=weights)
-        combined, _, _ = self.buffer.combine(reduced, handle)
-        output.copy_(combined)
+        combined, _, event = self.buffer.combine(reduced, handle, **self._async)
+
+        def receive() -> None:
+            _wait(event)
+            output.copy_(combined)
+
+        return receive
 
 
 class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
@@ -339,6 +372,7 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
 
     activation_format = ActivationFormat.STANDARD
     _needs = ("get_dispatch_layout", "dispatch", "combine")
+    _async = {"async_finish": True}  # the keyword that makes the buffer's calls asynchronous
 
     def check_capturable(self) -> None:
         raise ValueError("DeepEPHTPrepareAndFinalize cannot run under CUDA graph capture: its "
@@ -351,15 +385,16 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         super().__init__(buffer, num_dispatchers, rank_expert_offset, use_ue8m0)
         self.num_recv_tokens_per_expert: list[int] | None = None  # of the last prepare
 
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
-                apply_router_weight_on_input) -> PrepareResult:
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                      apply_router_weight_on_input):
         """a1 bf16 [M, K] (M may be 0), topk_weights f32 [M, k], topk_ids int32/int64 [M, k]
         global ids.
 
-        Returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the M' tokens received,
-        topk_ids int64 [M', k] GLOBAL ids of experts on this rank (-1 elsewhere) and topk_weights
-        f32 [M', k] (0 at -1). The per-local-expert received counts are kept in
-        ``num_recv_tokens_per_expert``.
+        The receiver returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the M'
+        tokens received, topk_ids int64 [M', k] GLOBAL ids of experts on this rank (-1
+        elsewhere) and topk_weights f32 [M', k] (0 at -1). The per-local-expert received counts
+        are kept in ``num_recv_tokens_per_expert`` (known when this returns: the count exchange
+        is synchronous).
         """
         local_num_experts = check_experts_per_rank(num_experts, self._num_dispatchers)
         self._check_wiring(num_experts, local_num_experts, expert_map)
@@ -369,14 +404,24 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         self._stamp_pass()
         per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
             ids, num_experts)
-        (recv_q, recv_s), recv_ids, recv_w, counts, handle, _ = self.buffer.dispatch(
+        (recv_q, recv_s), recv_ids, recv_w, counts, handle, event = self.buffer.dispatch(
             (a1q, a1s), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
-            topk_weights=topk_weights.float().contiguous())
+            topk_weights=topk_weights.float().contiguous(), async_finish=True)
         self._pending = handle
         self.num_recv_tokens_per_expert = counts
-        global_ids = torch.where(recv_ids >= 0, recv_ids + self.rank_expert_offset, recv_ids)
-        return PrepareResult(a1q=recv_q, a1q_scale=recv_s, topk_ids=global_ids, topk_weights=recv_w)
+
+        def receive() -> PrepareResult:
+            _wait(event)
+            global_ids = torch.where(recv_ids >= 0, recv_ids + self.rank_expert_offset, recv_ids)
+            return PrepareResult(a1q=recv_q, a1q_scale=recv_s, topk_ids=global_ids,
+                                 topk_weights=recv_w, handle=handle)
+
+        return receive
+
+
+def _combined() -> None:
+    """The receiver of a combine that has completed."""
 
 
 class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
@@ -422,12 +467,26 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:
+        """prepare_async's dispatch in one kernel (no receive hook), waited for at once."""
+        return self._dispatch(a1, topk_weights, topk_ids, num_experts,
+                              apply_router_weight_on_input, hook=False)()
+
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                      apply_router_weight_on_input):
         """a1 bf16 [M, K] with M <= max_tokens_per_rank; topk_ids int32/int64 [M, k] global ids.
 
-        Returns a1q fp8 [E_l, R*N, K], a1q_scale f32 [E_l, R*N, K/128] (MN-major per expert) and
-        expert_num_tokens int32 [E_l]; rows past a count are undefined. expert_map is not used:
-        DeepEP places expert g on rank g // E_l.
+        The receiver (the dispatch's receive hook, then the received-slice quant without FP8
+        dispatch) returns a1q fp8 [E_l, R*N, K], a1q_scale f32 [E_l, R*N, K/128] (MN-major per
+        expert) and expert_num_tokens int32 [E_l]; rows past a count are undefined. expert_map
+        is not used: DeepEP places expert g on rank g // E_l. The buffer holds two dispatches'
+        results (DeepEP's two low-latency buffers): at most two micro-batches in flight.
         """
+        return self._dispatch(a1, topk_weights, topk_ids, num_experts,
+                              apply_router_weight_on_input, hook=True)
+
+    def _dispatch(self, a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input,
+                  *, hook: bool):
+        """The dispatch, with DeepEP's receive hook (hook) or as one kernel; its receiver."""
         n = self.max_tokens_per_rank_
         if a1.shape[0] > n:
             raise ValueError(f"{a1.shape[0]} tokens exceed max_tokens_per_rank={n}")
@@ -436,26 +495,51 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
             topk_ids.to(torch.int64).contiguous()
         self._stamp_pass()
-        recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
+        recv_x, counts, handle, _, received = self.buffer.low_latency_dispatch(
             a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch,
-            round_scale=self.use_fp8_dispatch and self.use_ue8m0)
-        self._pending = (handle, ids)
-        a1q, a1s = recv_x if self.use_fp8_dispatch else quant_batched_fp8(
-            recv_x, use_ue8m0=self.use_ue8m0)
-        return PrepareResult(a1q=a1q, a1q_scale=a1s, expert_num_tokens=counts)
+            round_scale=self.use_fp8_dispatch and self.use_ue8m0, return_recv_hook=hook)
+        pending = self._pending = (handle, ids)
+
+        def receive() -> PrepareResult:
+            if received is not None:
+                received()
+            a1q, a1s = recv_x if self.use_fp8_dispatch else quant_batched_fp8(
+                recv_x, use_ue8m0=self.use_ue8m0)
+            return PrepareResult(a1q=a1q, a1q_scale=a1s, expert_num_tokens=counts,
+                                 handle=pending)
+
+        return receive
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input, *, output_is_reduced: bool = False) -> None:
+                 apply_router_weight_on_input, *, output_is_reduced: bool = False,
+                 handle=None) -> None:
+        """finalize_async's combine in one kernel (no receive hook), waited for at once."""
+        self._combine(output, fused_expert_output, topk_weights, apply_router_weight_on_input,
+                      handle, hook=False)()
+
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input, *, output_is_reduced: bool = False,
+                       handle=None):
         """fused_expert_output bf16 [E_l, R*N, K] (valid rows only are read): combined with the
-        weights (ones when they went on the input) straight into output [M, K] (contiguous)."""
-        handle, ids = self._take_pending()
+        weights (ones when they went on the input) straight into output [M, K] (contiguous),
+        which holds the result when the receiver (the combine's receive hook) has returned.
+        handle: the prepare's PrepareResult.handle (None: the last prepare's)."""
+        return self._combine(output, fused_expert_output, topk_weights,
+                             apply_router_weight_on_input, handle, hook=True)
+
+    def _combine(self, output, fused_expert_output, topk_weights, apply_router_weight_on_input,
+                 handle, *, hook: bool):
+        """The combine, with DeepEP's receive hook (hook) or as one kernel; its receiver."""
+        handle, ids = self._take_pending(handle)
         if apply_router_weight_on_input:
             weights = torch.ones_like(topk_weights, dtype=torch.float32)
         elif topk_weights.dtype == torch.float32 and topk_weights.is_contiguous():
             weights = topk_weights
         else:
             weights = topk_weights.float().contiguous()
-        self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle, out=output)
+        _, _, received = self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle,
+                                                         out=output, return_recv_hook=hook)
+        return received if received is not None else _combined
 
 
 class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
@@ -481,6 +565,7 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
 
     activation_format = ActivationFormat.STANDARD
     _needs = ("dispatch", "combine", "get_buffer_size_hint")
+    _async = {"async_with_compute_stream": True}
 
     def __init__(self, buffer, *, num_dispatchers: int, rank_expert_offset: int,
                  max_tokens_per_rank: int | None = None, do_cpu_sync: bool = True,
@@ -508,13 +593,13 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
                              "host. Capture it with do_cpu_sync=False (make_moe_kernel's "
                              "low_latency=True), or run it eagerly, outside the graph")
 
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
-                apply_router_weight_on_input) -> PrepareResult:
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                      apply_router_weight_on_input):
         """a1 bf16 [M, K] (M <= max_tokens_per_rank, may be 0), topk_weights f32 [M, k],
         topk_ids int32/int64 [M, k] global ids.
 
-        Returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the rows received,
-        topk_ids [M', k] (topk_idx_dtype) GLOBAL ids of experts on this rank (-1 elsewhere and on
+        The receiver returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the rows
+        received, topk_ids [M', k] (topk_idx_dtype) GLOBAL ids of experts on this rank (-1 elsewhere and on
         rows past the valid ones) and topk_weights f32 [M', k] (0 at -1). With do_cpu_sync the
         aligned per-local-expert counts are kept in ``num_recv_tokens_per_expert`` (else []).
         V2 places expert g on rank g // E_l: rank_expert_offset and expert_map are checked
@@ -529,17 +614,23 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         a1q, a1s = per_token_group_quant_fp8(a1, SCALE_BLOCK, use_ue8m0=self.use_ue8m0)
         ids = topk_ids.to(self.topk_idx_dtype).contiguous()
         self._stamp_pass()
-        (recv_q, recv_s), recv_ids, recv_w, handle, _ = self.buffer.dispatch(
+        (recv_q, recv_s), recv_ids, recv_w, handle, event = self.buffer.dispatch(
             (a1q, a1s), topk_idx=ids, topk_weights=topk_weights.float().contiguous(),
-            num_experts=num_experts, num_max_tokens_per_rank=n, do_cpu_sync=self.do_cpu_sync)
+            num_experts=num_experts, num_max_tokens_per_rank=n, do_cpu_sync=self.do_cpu_sync,
+            **self._async)
         self._pending = handle
         self.num_recv_tokens_per_expert = handle.num_recv_tokens_per_expert_list
-        here = recv_ids >= 0
-        if not self.do_cpu_sync:  # rows past the received total hold whatever was there
-            total = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
-            rows = torch.arange(recv_ids.shape[0], device=recv_ids.device)
-            here &= (rows < total).unsqueeze(1)
-        global_ids = torch.where(here, recv_ids + self.rank_expert_offset, -1)
-        weights = torch.where(here, recv_w, 0.0)
-        return PrepareResult(a1q=recv_q, a1q_scale=recv_s, topk_ids=global_ids,
-                             topk_weights=weights)
+
+        def receive() -> PrepareResult:
+            _wait(event)
+            here = recv_ids >= 0
+            if not self.do_cpu_sync:  # rows past the received total hold whatever was there
+                total = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
+                rows = torch.arange(recv_ids.shape[0], device=recv_ids.device)
+                here &= (rows < total).unsqueeze(1)
+            global_ids = torch.where(here, recv_ids + self.rank_expert_offset, -1)
+            weights = torch.where(here, recv_w, 0.0)
+            return PrepareResult(a1q=recv_q, a1q_scale=recv_s, topk_ids=global_ids,
+                                 topk_weights=weights, handle=handle)
+
+        return receive

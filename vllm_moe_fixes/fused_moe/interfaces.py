@@ -14,6 +14,7 @@ import enum
 import functools
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -50,6 +51,8 @@ class PrepareResult:
         keep the caller's. The kernel passes these to the experts and to finalize.
     topk_weights: STANDARD: float32 [M', k] (0 where the id is -1); None = keep the caller's.
     expert_num_tokens: BATCHED: int32 [E_l] valid rows per expert slice; None for STANDARD.
+    handle: what this prepare's finalize needs (opaque), for finalize_async's ``handle`` when
+        several prepares are in flight (two-batch overlap); None: nothing.
     """
 
     a1q: torch.Tensor
@@ -57,6 +60,7 @@ class PrepareResult:
     topk_ids: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
     expert_num_tokens: torch.Tensor | None = None
+    handle: object = None
 
 
 class PrepareAndFinalize(ABC):
@@ -110,6 +114,40 @@ class PrepareAndFinalize(ABC):
         summed without them.
         """
 
+    def supports_async(self) -> bool:
+        """Whether prepare_async / finalize_async return before their transfer completes (and
+        several prepares may be in flight, each finalize given its prepare's handle). Default:
+        False, the two run prepare / finalize at once."""
+        return False
+
+    def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None,
+                      apply_router_weight_on_input: bool) -> Callable[[], PrepareResult]:
+        """Start prepare (same arguments) and return its receiver: ``receiver()`` waits for the
+        transfer and returns what prepare would have (with ``handle`` set where finalize needs
+        one). Nothing is read on the host that prepare does not read. The inputs must stay
+        untouched until the receiver returns. Default: prepare now."""
+        result = self.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
+                              apply_router_weight_on_input)
+        return lambda: result
+
+    def finalize_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       apply_router_weight_on_input: bool, *, output_is_reduced: bool = False,
+                       handle: object = None) -> Callable[[], None]:
+        """Start finalize (same arguments) and return its receiver: output is written when
+        ``receiver()`` returns. handle: the PrepareResult.handle of this micro-batch's prepare
+        (None: the last prepare's). fused_expert_output must stay untouched until then.
+        Default: finalize now (handle must be None)."""
+        if handle is not None:
+            raise ValueError(f"{type(self).__name__} keeps one prepare's state at a time: "
+                             "finalize_async takes no handle (supports_async() is False)")
+        # a finalize written before output_is_reduced takes no such keyword (see finalize)
+        reduced = {"output_is_reduced": True} if output_is_reduced else {}
+        self.finalize(output, fused_expert_output, topk_weights, topk_ids,
+                      apply_router_weight_on_input, **reduced)
+        return _nothing
+
     def max_num_tokens_per_rank(self) -> int | None:
         """Upper bound on tokens per rank per call (sizes batched layouts), or None."""
         return None
@@ -146,6 +184,42 @@ class PrepareAndFinalize(ABC):
     def check_capturable(self) -> None:
         """Raise ValueError when a pass cannot be captured in a CUDA graph (the kernel calls this
         before anything of a captured call runs). Default: it can."""
+
+
+def _nothing() -> None:
+    """The receiver of a transfer that has completed."""
+
+
+class AsyncPrepareAndFinalize(PrepareAndFinalize):
+    """A PrepareAndFinalize whose transfers run asynchronously: subclasses implement
+    prepare_async and finalize_async, and prepare / finalize are those, waited for at once (one
+    implementation of each step)."""
+
+    def supports_async(self) -> bool:
+        return True
+
+    @abstractmethod
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                      apply_router_weight_on_input) -> Callable[[], PrepareResult]:
+        """PrepareAndFinalize.prepare_async."""
+
+    @abstractmethod
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input, *, output_is_reduced: bool = False,
+                       handle: object = None) -> Callable[[], None]:
+        """PrepareAndFinalize.finalize_async."""
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input) -> PrepareResult:
+        return self.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                  apply_router_weight_on_input)()
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input, *, output_is_reduced: bool = False,
+                 handle: object = None) -> None:
+        self.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
+                            apply_router_weight_on_input, output_is_reduced=output_is_reduced,
+                            handle=handle)()
 
 
 class Experts(ABC):
