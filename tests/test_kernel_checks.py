@@ -130,37 +130,54 @@ def test_layer_refuses_nan_in_fp8_weights_when_checking(name, monkeypatch):
         run(new_kernel(), p, 8)
 
 
-def test_shapes_hold_refuses_whatever_a_rule_refuses():
-    """check_layer_call's one-pass test (_shapes_hold) accepts the valid call and none of the
-    broken ones below, each of which the rule functions refuse."""
+def test_each_broken_argument_is_refused_by_its_rule():
+    """check_layer_call accepts the valid call and refuses each broken one below with the rule
+    that argument breaks (the message names it)."""
     p = make_problem(3, 2, 4, 128, 256)
     args = dict(x=p["hidden_states"], w1=p["w1"], w2=p["w2"], topk_weights=p["topk_weights"],
                 topk_ids=p["topk_ids"], w1_scale=p["w1_scale"], w2_scale=p["w2_scale"],
                 global_num_experts=4, expert_map=None, activation="silu",
                 apply_router_weight_on_input=False, max_tokens_across_ranks=None)
 
-    def holds(a):
-        return kernel_checks._shapes_hold(
-            a["x"], a["w1"], a["w2"], a["topk_weights"], a["topk_ids"], a["w1_scale"],
-            a["w2_scale"], a["global_num_experts"], a["expert_map"], a["activation"],
-            a["apply_router_weight_on_input"], a["max_tokens_across_ranks"])
+    def check(a):
+        a = dict(a)
+        kernel_checks.check_layer_call(a.pop("x"), a.pop("w1"), a.pop("w2"),
+                                       a.pop("topk_weights"), a.pop("topk_ids"), **a)
 
-    assert holds(args)
+    check(args)
     x, w1, w2 = args["x"], args["w1"], args["w2"]
-    broken = dict(
-        x=[x.float(), x[:, :128], x.t().contiguous().t(), x[None]], w1=[w1[:, :128], w1.float()],
-        w2=[w2[:, :128], w2.transpose(1, 2).contiguous().transpose(1, 2)],
-        w1_scale=[args["w1_scale"][:, :1], args["w1_scale"].double()],
-        w2_scale=[args["w2_scale"][:, :, :0]], topk_weights=[args["topk_weights"][:, :1]],
-        topk_ids=[args["topk_ids"].float(), args["topk_ids"][:2], args["topk_ids"][:, :0]],
-        global_num_experts=[3, 5, True, 4.0],
-        expert_map=[torch.arange(4), torch.arange(5, dtype=torch.int32)],
-        activation=["gelu"], apply_router_weight_on_input=[True],
-        max_tokens_across_ranks=[2, True, 3.0])
-    for name, values in broken.items():
-        for value in values:
-            bad = {**args, name: value}
-            assert not holds(bad), (name, value)
-            with pytest.raises(ValueError):
-                kernel_checks.check_layer_call(bad.pop("x"), bad.pop("w1"), bad.pop("w2"),
-                                               bad.pop("topk_weights"), bad.pop("topk_ids"), **bad)
+    w1s, w2s, tw, ti = (args[n] for n in ("w1_scale", "w2_scale", "topk_weights", "topk_ids"))
+    broken = [
+        ("x", x.float(), r"hidden_states must be bfloat16 \[M, K\]"),
+        ("x", x[None], r"hidden_states must be bfloat16 \[M, K\]"),
+        ("x", x[:, :128], r"w1 must be \[E_l, 2I, K=128\]"),
+        ("x", x.t().contiguous().t(), "hidden_states must have contiguous channels"),
+        ("w1", w1[:, :128], r"hidden size K=256 and intermediate size I=64 must be multiples"),
+        ("w1", w1.float(), "w1 must be float8_e4m3fn"),
+        ("w2", w2[:, :128], "w2 must be float8_e4m3fn"),
+        ("w2", w2.transpose(1, 2).contiguous().transpose(1, 2), "w1 and w2 must be contiguous"),
+        ("w1_scale", w1s[:, :1], r"w1_scale must be float32 \(4, 2, 2\)"),
+        ("w1_scale", w1s.double(), r"w1_scale must be float32 .* got torch.float64"),
+        ("w2_scale", w2s[:, :, :0], r"w2_scale must be float32 \(4, 2, 1\)"),
+        ("topk_weights", tw[:, :1], r"topk_weights must be float32 \(3, 2\)"),
+        ("topk_ids", ti.float(), "topk_ids must be int32 or int64"),
+        ("topk_ids", ti[:2], r"topk_ids must be int32 or int64 \[M=3, k\]"),
+        ("topk_ids", ti[:, :0], "topk_ids must have k >= 1 columns"),
+        ("global_num_experts", 3, "global_num_experts must be an int >= E_l=4, got 3"),
+        ("global_num_experts", 5, "without expert_map every expert is local"),
+        ("global_num_experts", True, "global_num_experts must be an int >= E_l=4, got True"),
+        ("global_num_experts", 4.0, "global_num_experts must be an int >= E_l=4, got 4.0"),
+        ("expert_map", torch.arange(4), r"expert_map must be int32 \[4\], got torch.int64"),
+        ("expert_map", torch.arange(5, dtype=torch.int32), r"expert_map must be int32 \[4\]"),
+        ("activation", "gelu", "activation must be 'silu', got 'gelu'"),
+        ("apply_router_weight_on_input", True, "needs topk == 1, got topk=2"),
+        ("max_tokens_across_ranks", 2, "max_tokens_across_ranks must be None or an int"),
+        ("max_tokens_across_ranks", True, r"max_tokens_across_ranks .*got True"),
+        ("max_tokens_across_ranks", 3.0, r"max_tokens_across_ranks .*got 3.0"),
+        ("w2_scale", [1.0], "w2_scale must be a torch.Tensor"),
+        ("topk_weights", tw.to("meta"), r"must be on one device, got \['cpu', 'meta'\]"),
+    ]
+    for name, value, match in broken:
+        with pytest.raises(ValueError, match=match):
+            check({**args, name: value})
+

@@ -1,8 +1,10 @@
-"""The argument checks of `FusedMoEModularKernel.__call__`, one function per rule group.
+"""The argument checks of `FusedMoEModularKernel.__call__` (`check_layer_call`), and the weight
+rules the vLLM adapter also checks (`check_weights`, `check_weight_scales`).
 
-Each raises ValueError naming the argument, the value and the rule. They run on every layer
-call, so each rule is tested first and its message formatted only when it fails (formatting
-shapes and dtypes costs more host time than the tests themselves).
+Each raises ValueError naming the argument, the value and the rule. Each rule is written once, as
+the condition of the statement that raises its error, and its message (formatting shapes and
+dtypes costs more host time than the tests themselves) is built only when it fails: the rules
+run on every layer call.
 """
 
 from __future__ import annotations
@@ -27,92 +29,61 @@ def check_layer_call(x, w1, w2, topk_weights, topk_ids, *, w1_scale, w2_scale,
                      max_tokens_across_ranks) -> None:
     """Every rule of the layer's arguments (FusedMoEModularKernel.__call__ documents them), in
     this order; ids and expert_map values only for CPU tensors or with VLLM_MOE_CHECK_IDS=1.
-
-    The shape rules are first tested together (_shapes_hold: one function, each attribute read
-    once); only a call they do not all accept goes through the rule functions one by one, which
-    name the first broken rule. So the functions below are the rules' wording and order, and
-    _shapes_hold must accept nothing they refuse (every refusal's test goes through both)."""
-    if _shapes_hold(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
-                    expert_map, activation, apply_router_weight_on_input,
-                    max_tokens_across_ranks):
-        if envs.values_checked_on(x.device):
-            check_routing_ranges(topk_ids, global_num_experts, expert_map, w1.shape[0])
-        return
-    check_tensors(hidden_states=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
-                  w1_scale=w1_scale, w2_scale=w2_scale)
+    The rules are inline, in one function, because each function call costs host time on every
+    layer call."""
+    tensors = (x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{_TENSOR_NAMES[i]} must be a torch.Tensor, got {type(t)}")
     if activation != "silu":
         raise ValueError(f"activation must be 'silu', got {activation!r}")
-    M, K = check_hidden_states(x)
-    local_num_experts, I = check_weights(w1, w2, K)
-    check_weight_scales(w1_scale, w2_scale, local_num_experts, I, K)
-    topk = check_topk(topk_weights, topk_ids, M)
-    check_expert_map(expert_map, global_num_experts, local_num_experts)
-    if apply_router_weight_on_input and topk != 1:
-        raise ValueError(f"apply_router_weight_on_input needs topk == 1, got topk={topk}")
-    check_one_device(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expert_map)
-    if max_tokens_across_ranks is not None and (
-            isinstance(max_tokens_across_ranks, bool) or not (
-                isinstance(max_tokens_across_ranks, int) and max_tokens_across_ranks >= M)):
-        raise ValueError(f"max_tokens_across_ranks must be None or an int (not a bool) >= M={M}, "
-                         f"got {max_tokens_across_ranks!r}")
-    if envs.values_checked_on(x.device):
-        check_routing_ranges(topk_ids, global_num_experts, expert_map, local_num_experts)
-
-
-def _shapes_hold(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, global_num_experts,
-                 expert_map, activation, on_input, max_tokens) -> bool:
-    """Whether every rule of check_layer_call but the value checks holds (False: at least one
-    may not; the rule functions then find it)."""
-    tensor = torch.Tensor
-    if not (isinstance(x, tensor) and isinstance(w1, tensor) and isinstance(w2, tensor)
-            and isinstance(topk_weights, tensor) and isinstance(topk_ids, tensor)
-            and isinstance(w1_scale, tensor) and isinstance(w2_scale, tensor)
-            and activation == "silu" and x.dtype == torch.bfloat16 and x.dim() == 2
-            and w1.dtype == FP8_DTYPE and w1.dim() == 3 and w2.dtype == FP8_DTYPE
-            and w1_scale.dtype == torch.float32 and w2_scale.dtype == torch.float32
-            and topk_weights.dtype == torch.float32 and topk_ids.dtype in _ID_DTYPES
-            and topk_ids.dim() == 2):
-        return False
-    M, K = x.shape
-    local_num_experts, two_i, k_w1 = w1.shape
-    I = two_i // 2
-    blocks_k, blocks_i = K // SCALE_BLOCK, I // SCALE_BLOCK
-    topk = topk_ids.shape[1]
-    device = x.device
-    return (local_num_experts > 0 and two_i > 0 and two_i % 2 == 0 and k_w1 == K
-            and K % SCALE_BLOCK == 0 and I % SCALE_BLOCK == 0 and (K <= 1 or x.stride(1) == 1)
-            and w2.shape == (local_num_experts, K, I) and w1.is_contiguous()
-            and w2.is_contiguous()
-            and w1_scale.shape == (local_num_experts, 2 * blocks_i, blocks_k)
-            and w2_scale.shape == (local_num_experts, blocks_k, blocks_i)
-            and topk_ids.shape[0] == M and topk >= 1 and topk_weights.shape == (M, topk)
-            and type(global_num_experts) is int and global_num_experts >= local_num_experts
-            and (global_num_experts == local_num_experts if expert_map is None else (
-                isinstance(expert_map, tensor) and expert_map.dtype == torch.int32
-                and expert_map.shape == (global_num_experts,) and expert_map.device == device))
-            and (not on_input or topk == 1)
-            and w1.device == device and w2.device == device and topk_weights.device == device
-            and topk_ids.device == device and w1_scale.device == device
-            and w2_scale.device == device
-            and (max_tokens is None or (type(max_tokens) is int and max_tokens >= M)))
-
-
-def check_tensors(**tensors) -> None:
-    """Each keyword argument is a torch.Tensor."""
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t)}")
-
-
-def check_hidden_states(x: torch.Tensor) -> tuple[int, int]:
-    """bfloat16 [M, K] with contiguous channels; returns (M, K)."""
     if not (x.dim() == 2 and x.dtype == torch.bfloat16):
         raise ValueError(f"hidden_states must be bfloat16 [M, K], got {x.dtype} {_shape(x)}")
     M, K = x.shape
-    if x.stride(1) != 1 and K > 1:
+    if K > 1 and x.stride(1) != 1:
         raise ValueError(f"hidden_states must have contiguous channels (stride(1) == 1), "
                          f"got strides {x.stride()}")
-    return M, K
+    local_num_experts, I = check_weights(w1, w2, K)
+    check_weight_scales(w1_scale, w2_scale, local_num_experts, I, K)
+    if not (topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype in _ID_DTYPES):
+        raise ValueError(f"topk_ids must be int32 or int64 [M={M}, k], got {topk_ids.dtype} "
+                         f"{_shape(topk_ids)}")
+    topk = topk_ids.shape[1]
+    if topk < 1:
+        raise ValueError("topk_ids must have k >= 1 columns")
+    if not (topk_weights.dtype == torch.float32 and topk_weights.shape == (M, topk)):
+        raise ValueError(f"topk_weights must be float32 {(M, topk)}, got {topk_weights.dtype} "
+                         f"{_shape(topk_weights)}")
+    if not (type(global_num_experts) is int and global_num_experts >= local_num_experts):
+        raise ValueError(f"global_num_experts must be an int >= E_l={local_num_experts}, got "
+                         f"{global_num_experts!r}")
+    if expert_map is None:
+        if global_num_experts != local_num_experts:
+            raise ValueError(f"without expert_map every expert is local: global_num_experts="
+                             f"{global_num_experts} must equal E_l={local_num_experts}")
+    elif not (isinstance(expert_map, torch.Tensor) and expert_map.dtype == torch.int32
+              and expert_map.shape == (global_num_experts,)):
+        raise ValueError(
+            f"expert_map must be int32 [{global_num_experts}], got "
+            f"{getattr(expert_map, 'dtype', type(expert_map))} "
+            f"{_shape(expert_map) if isinstance(expert_map, torch.Tensor) else ''}")
+    if apply_router_weight_on_input and topk != 1:
+        raise ValueError(f"apply_router_weight_on_input needs topk == 1, got topk={topk}")
+    device = x.device
+    if not (w1.device == device and w2.device == device and topk_weights.device == device
+            and topk_ids.device == device and w1_scale.device == device
+            and w2_scale.device == device and (expert_map is None or expert_map.device == device)):
+        devices = {t.device for t in (*tensors, expert_map) if t is not None}
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if max_tokens_across_ranks is not None and not (
+            type(max_tokens_across_ranks) is int and max_tokens_across_ranks >= M):
+        raise ValueError(f"max_tokens_across_ranks must be None or an int (not a bool) >= M={M}, "
+                         f"got {max_tokens_across_ranks!r}")
+    if envs.values_checked_on(device):
+        check_routing_ranges(topk_ids, global_num_experts, expert_map, local_num_experts)
+
+
+_TENSOR_NAMES = ("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "w1_scale", "w2_scale")
 
 
 def check_weights(w1: torch.Tensor, w2: torch.Tensor, K: int) -> tuple[int, int]:
@@ -141,11 +112,17 @@ def check_weight_scales(w1_scale: torch.Tensor, w2_scale: torch.Tensor, local_nu
                         I: int, K: int) -> None:
     """float32 [E_l, 2I/128, K/128] and [E_l, K/128, I/128]: one scale per weight block."""
     blocks_k, blocks_i = K // SCALE_BLOCK, I // SCALE_BLOCK
-    for name, s, want in (("w1_scale", w1_scale, (local_num_experts, 2 * blocks_i, blocks_k)),
-                          ("w2_scale", w2_scale, (local_num_experts, blocks_k, blocks_i))):
-        if not (s.dtype == torch.float32 and s.shape == want):
-            raise ValueError(f"{name} must be float32 {want} ({SCALE_BLOCK}x{SCALE_BLOCK} "
-                             f"blocks), got {s.dtype} {_shape(s)}")
+    w1_want = (local_num_experts, 2 * blocks_i, blocks_k)
+    if not (w1_scale.dtype == torch.float32 and w1_scale.shape == w1_want):
+        raise _scale_error("w1_scale", w1_scale, w1_want)
+    w2_want = (local_num_experts, blocks_k, blocks_i)
+    if not (w2_scale.dtype == torch.float32 and w2_scale.shape == w2_want):
+        raise _scale_error("w2_scale", w2_scale, w2_want)
+
+
+def _scale_error(name: str, scale: torch.Tensor, want: tuple[int, int, int]) -> ValueError:
+    return ValueError(f"{name} must be float32 {want} ({SCALE_BLOCK}x{SCALE_BLOCK} blocks), got "
+                      f"{scale.dtype} {_shape(scale)}")
 
 
 def check_topk(topk_weights: torch.Tensor, topk_ids: torch.Tensor, M: int) -> int:
@@ -160,39 +137,6 @@ def check_topk(topk_weights: torch.Tensor, topk_ids: torch.Tensor, M: int) -> in
         raise ValueError(f"topk_weights must be float32 {(M, topk)}, got {topk_weights.dtype} "
                          f"{_shape(topk_weights)}")
     return topk
-
-
-def check_expert_map(expert_map, global_num_experts, local_num_experts: int) -> None:
-    """global_num_experts an int >= E_l; expert_map int32 [global_num_experts], or None when
-    every expert is local (global_num_experts == E_l)."""
-    if isinstance(global_num_experts, bool) or not (
-            isinstance(global_num_experts, int) and global_num_experts >= local_num_experts):
-        raise ValueError(f"global_num_experts must be an int >= E_l={local_num_experts}, got "
-                         f"{global_num_experts!r}")
-    if expert_map is None:
-        if global_num_experts != local_num_experts:
-            raise ValueError(f"without expert_map every expert is local: global_num_experts="
-                             f"{global_num_experts} must equal E_l={local_num_experts}")
-    elif not (isinstance(expert_map, torch.Tensor) and expert_map.dtype == torch.int32
-              and expert_map.shape == (global_num_experts,)):
-        raise ValueError(
-            f"expert_map must be int32 [{global_num_experts}], got "
-            f"{getattr(expert_map, 'dtype', type(expert_map))} "
-            f"{_shape(expert_map) if isinstance(expert_map, torch.Tensor) else ''}")
-
-
-def check_one_device(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expert_map) -> None:
-    """All tensors (expert_map too, when given) on x's device."""
-    device = x.device
-    if (w1.device == device and w2.device == device and topk_weights.device == device
-            and topk_ids.device == device and w1_scale.device == device
-            and w2_scale.device == device and (expert_map is None or expert_map.device == device)):
-        return
-    tensors = [x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale]
-    if expert_map is not None:
-        tensors.append(expert_map)
-    devices = {t.device for t in tensors}
-    raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:
