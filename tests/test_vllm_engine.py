@@ -1,8 +1,8 @@
 """vLLM's LLM engine serving tiny random block-FP8 MoE checkpoints (Mixtral and Qwen3-MoE) through
 the plugin: the greedy tokens equal vLLM's own unquantised run on the dequantised weights under the
 near-tie rule (tests/vllm_support/greedy.py: a first difference only where the unquantised run's
-top-2 log-probs are within NEAR_TIE; the rule used is printed), and the prompt log-probs agree
-closely. Two modes, each one process (tests/vllm_support/engine_run.py):
+top-2 log-probs are within NEAR_TIE_FP8_VS_BF16; the rule used is printed), and the prompt
+log-probs agree closely. Two modes, each one process (tests/vllm_support/engine_run.py):
 ``eager`` (``enforce_eager=True``: all four engines eager) and ``compiled`` (vLLM's default: the
 two FP8 engines compiled, so that torch dynamo traces our layer in the start-up profile run and in
 every forward pass, against vLLM's unquantised run in eager mode). vLLM's compile cache is off, so
@@ -11,8 +11,9 @@ that every run traces afresh. Skipped where vllm is not installed.
 The two runs differ only in the experts: FP8 activations (1x128 groups) in ours, bf16 in vLLM's
 unquantised path. On these checkpoints (seed 1) that rounding moves prompt log-probs by at most
 0.21 (0.06-0.09 on average); scaling the experts' output by 0.9 instead moves them by up to 0.31
-(0.14 on average) and flips a token. The Qwen3-MoE checkpoint meets an exact tie (tokens 47 and 56
-both at -0.7692) at step 6 of one prompt, which either run may take either way.
+(0.14 on average) and flips a token. In compiled mode our Qwen3-MoE run ties tokens 47 and 56
+(both -0.7692) at step 6 of the first prompt and takes 47, where vLLM's bf16 run puts 56 0.125
+above: a near-tie the rule accepts (and prints).
 """
 
 import importlib.util
@@ -30,7 +31,7 @@ SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_support
 sys.path.insert(0, SUPPORT)
 try:
     from engine_run import PROMPTS
-    from greedy import check_all
+    from greedy import NEAR_TIE_FP8_VS_BF16, check_all, largest_gap_move
 finally:
     sys.path.remove(SUPPORT)
 
@@ -65,8 +66,11 @@ def test_engine_with_plugin_matches_vllms_unquantised_run(tmp_path, mode):
     results = json.loads(out.read_text())
     for family, (fp8, bf16) in pairs.items():
         ours, vllm = results[run_of[fp8]], results[bf16]
+        move = max(map(largest_gap_move, ours["tokens"], ours["top_logprobs"], vllm["tokens"],
+                       vllm["top_logprobs"]))
+        print(f"{family}: largest top-2 log-prob gap move against vLLM's bf16 run {move:.4f}")
         check_all(ours["tokens"], vllm["tokens"], vllm["top_logprobs"],
-                  [f"{family} prompt {p}" for p in PROMPTS])
+                  [f"{family} prompt {p}" for p in PROMPTS], threshold=NEAR_TIE_FP8_VS_BF16)
         diffs = [abs(a - b) for p, q in zip(ours["prompt_logprobs"], vllm["prompt_logprobs"])
                  for a, b in zip(p, q)]
         assert max(diffs) <= MAX_LOGPROB_DIFF, (family, max(diffs))

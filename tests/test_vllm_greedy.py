@@ -10,12 +10,19 @@ import pytest
 SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_support")
 sys.path.insert(0, SUPPORT)
 try:
-    from greedy import NEAR_TIE, GreedyMismatch, NearTieAccepted, check_all, check_greedy
+    from greedy import (
+        NEAR_TIE,
+        GreedyMismatch,
+        NearTieAccepted,
+        check_all,
+        check_greedy,
+        largest_gap_move,
+    )
 finally:
     sys.path.remove(SUPPORT)
 
 REF = [5, 9, 3, 47, 12]
-# the reference's top-2 per step; step 3 is the qwen3_moe tie (47 and 56 both at -0.7692)
+# the reference's top-2 per step; step 3 ties 47 and 56
 TOP = [{5: -0.1, 8: -2.5}, {9: -0.3, 2: -1.6}, {3: -0.9, 4: -0.98}, {47: -0.7692, 56: -0.7692},
        {12: -0.2, 1: -3.0}]
 
@@ -70,3 +77,12 @@ def test_check_all_names_the_sequence_that_fails(capsys):
         check_all([REF, [5, 8, 3, 47, 12]], [REF, REF], [TOP, TOP], ["p0", "p1"])
     with pytest.raises(ValueError, match="2 sequences, 1 references"):
         check_all([REF, REF], [REF], [TOP], ["p0"])
+
+
+def test_largest_gap_move_reads_the_steps_both_runs_agree_on():
+    ours = [{5: -0.2, 8: -2.0}, {9: -0.3, 2: -1.5}, {3: -0.9, 7: -1.0}, {56: -0.7692, 47: -0.7692},
+            {12: -0.2, 1: -9.0}]
+    # step 0 moves 0.6, step 1 0.1, step 2 names another token, step 3 flips (counted), step 4
+    # (a move of 6.0) comes after the flip
+    assert largest_gap_move([5, 9, 3, 56, 1], ours, REF, TOP) == pytest.approx(0.6)
+    assert largest_gap_move(list(REF), TOP, REF, TOP) == 0.0

@@ -2,12 +2,13 @@
 
 Two vLLM runs of one model that differ in rounding (FP8 activations against bf16, another batch,
 another rank count, compiled against eager) may pick different tokens where the reference's top
-two log-probs are (nearly) tied: the qwen3_moe tiny checkpoint meets an exact tie at step 6
-(tokens 47 and 56 both at -0.7692). ``check_greedy`` accepts a sequence that equals the
+two log-probs are nearly tied: at step 6 of the engine test's first prompt on the Qwen3-MoE tiny
+checkpoint, our compiled FP8 run ties tokens 47 and 56 (both -0.7692) and takes 47, where vLLM's
+bf16 run puts 56 0.125 above 47. ``check_greedy`` accepts a sequence that equals the
 reference's, or whose first difference is such a near-tie, and says which rule it used:
 
-    rule = check_greedy(tokens, reference_tokens, reference_top_logprobs)
-    # "exact" or "near-tie at step 6: gap 0.0000 < 0.1; tokens 47/56"
+    rule = check_greedy(tokens, reference_tokens, reference_top_logprobs, threshold=NEAR_TIE)
+    # "exact" or "near-tie at step 6: gap 0.1250 < 0.5; tokens 56/47"
 
 After the first difference the sequences feed different tokens back, so the rest is not compared.
 A pass on a near-tie also raises a ``NearTieAccepted`` warning, which pytest lists in its summary.
@@ -19,13 +20,17 @@ from __future__ import annotations
 
 import warnings
 
-# The largest top-2 log-prob gap of the reference at which a first differing token is accepted.
-# vLLM computes log-probs from bf16 logits. The tiny checkpoints' logits have a standard deviation
-# of about 6 (lm_head std 0.4 over 256 unit-RMS features), so the top ones lie in [8, 16), where
-# one bf16 step is 1/16: two runs whose rounding differs (FP8 against bf16 activations, another
-# batch) can swap tokens that are tied or one step (0.0625) apart. 0.1 accepts those and no gap of
-# two steps (0.125) or more.
+# The largest top-2 log-prob gap of the reference at which a first differing token is accepted,
+# for two runs of one checkpoint that differ in batching, rank count or compiled/eager mode.
+# vLLM computes log-probs from bf16 logits; the tiny checkpoints' top logits lie in [8, 16), where
+# one bf16 step is 1/16 (their top-2 gaps are multiples of 0.0625): such runs can swap tokens that
+# are tied or one step apart. 0.1 accepts those and no gap of two steps (0.125) or more.
 NEAR_TIE = 0.1
+# The same for our block-FP8 run against vLLM's bf16 run of the dequantised weights (the engine
+# test): FP8 rounding of the activations moved the top-2 gap of a step by up to 0.31 (eager) and
+# 0.44 (compiled) over the 45 steps of both tiny checkpoints (seed 1), so a gap below 0.5 may flip.
+# A wrong kernel is caught by that test's log-prob bounds; this rule only lets a flip through.
+NEAR_TIE_FP8_VS_BF16 = 0.5
 
 
 class NearTieAccepted(UserWarning):
@@ -93,3 +98,20 @@ def check_all(got: list[list[int]], reference: list[list[int]],
         print(f"{label}: {ours} against {ref}: {rule}")
         rules.append(rule)
     return rules
+
+
+def largest_gap_move(tokens: list[int], top: list[dict[int, float]], reference: list[int],
+                     reference_top: list[dict[int, float]]) -> float:
+    """How far the other run moved the reference's top-2 gap, largest over the steps where both
+    runs still agree and name the same two tokens (0.0 where there is none): the measure that
+    NEAR_TIE and NEAR_TIE_FP8_VS_BF16 are set from."""
+    moves = [0.0]
+    for step, (ours, theirs) in enumerate(zip(tokens, reference)):
+        mine = {int(t): lp for t, lp in top[step].items()}
+        ref = {int(t): lp for t, lp in reference_top[step].items()}
+        if len(mine) == len(ref) == 2 and set(mine) == set(ref):
+            first, second = sorted(ref, key=ref.get, reverse=True)
+            moves.append(abs((ref[first] - ref[second]) - (mine[first] - mine[second])))
+        if ours != theirs:
+            break
+    return max(moves)

@@ -30,7 +30,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from engine_run import ENGINE_SIZES, MAX_TOKENS, PROMPTS
-from greedy import check_all
+from greedy import check_all, largest_gap_move
 
 ENGINE_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_run.py")
 # A server's start on 2 busy cores: 60-180 s eager, longer compiled or with several ranks.
@@ -140,7 +140,11 @@ def one_rank_reference(model: str, out_path: str, env: dict) -> list[dict]:
 
 
 def check_against(got: list[dict], reference: list[dict]) -> list[str]:
-    """``greedy.check_all`` of served completions against a reference, labelled by prompt."""
+    """``greedy.check_all`` of served completions against a reference, labelled by prompt; also
+    prints the largest move of a top-2 gap between the two (``greedy.largest_gap_move``)."""
+    move = max(largest_gap_move(g["tokens"], g["top_logprobs"], r["tokens"], r["top_logprobs"])
+               for g, r in zip(got, reference))
+    print(f"largest top-2 log-prob gap move against the reference: {move:.4f}")
     return check_all([g["tokens"] for g in got], [r["tokens"] for r in reference],
                      [r["top_logprobs"] for r in reference],
                      [f"prompt {p}" for p in PROMPTS])
