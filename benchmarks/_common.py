@@ -33,11 +33,8 @@ API (keep it small):
                                          git commit when available).
 """
 
-import datetime
 import itertools
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -46,6 +43,7 @@ import triton
 import triton.testing
 
 from vllm_moe_fixes.sizes import cdiv
+from vllm_moe_fixes.testing import run_environment as environment
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -124,22 +122,6 @@ def print_table(rows, columns) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
-
-
-def environment() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=RESULTS_DIR.parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": commit,
-    }
 
 
 def write_json(name, payload) -> Path:

@@ -14,6 +14,7 @@ from vllm_moe_fixes.testing import (
     quant_block_fp8,
     random_fp8_moe_weights,
     rel_err,
+    run_environment,
     unfused_moe_layer,
 )
 
@@ -107,3 +108,19 @@ def test_unfused_layer_matches_the_fused_layer_bit_for_bit_on_cpu():
     out = kernel(x, w1, w2, topk_weights, ids, w1_scale=w1s, w2_scale=w2s, global_num_experts=E)
     anchor = unfused_moe_layer(x, weights, topk_weights, ids, TritonExperts().gemm)
     assert torch.equal(out, anchor)
+
+
+def test_run_environment_says_where_a_measurement_ran(monkeypatch):
+    import re
+    import subprocess
+
+    env = run_environment()
+    assert set(env) == {"gpu", "torch", "triton", "python", "date_utc", "git_commit"}
+    assert env["torch"] == torch.__version__ and re.fullmatch(r"\d+\.\d+\.\d+", env["python"])
+    assert env["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}", env["git_commit"])
+
+    def no_git(*args, **kwargs):
+        raise OSError("git not installed")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert run_environment()["git_commit"] is None

@@ -1,7 +1,7 @@
 """What tests, benchmarks and users of the layer share: random block-FP8 layer weights, the
 float32 reference of a whole MoE layer (fused_moe.reference's, handed on), the unfused torch
-path over the same ops (the benchmarks' anchor), the accuracy metrics they are judged by, and a
-kernel count.
+path over the same ops (the benchmarks' anchor), the accuracy metrics they are judged by, a
+kernel count, and the record of where a measurement ran (run_environment).
 
     w1, w1_scale, w2, w2_scale = random_fp8_moe_weights(num_experts, K, I, generator=g)
     out = kernel(x, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale, w2_scale=w2_scale)
@@ -142,3 +142,33 @@ def kernels_per_call(fn, calls: int = 3, *, copies: bool = True) -> tuple[float,
     kernels = [e for e in cuda_kernel_events(fn, calls)
                if copies or not e.name.startswith(("Memcpy", "Memset"))]
     return len(kernels) / calls, sorted({e.name for e in kernels})
+
+
+def run_environment() -> dict:
+    """Where a measurement ran, for its JSON: GPU name (None without CUDA), torch, triton (None
+    where it is not installed) and Python versions, the UTC date and the repository's git
+    commit (None outside a checkout)."""
+    import datetime
+    import platform
+    import subprocess
+    from pathlib import Path
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[1],
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
+    }

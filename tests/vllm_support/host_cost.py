@@ -319,10 +319,10 @@ def main() -> None:
     import vllm
     from vllm.v1.worker.workspace import init_workspace_manager
 
-    from benchmarks._common import environment
+    from vllm_moe_fixes.testing import run_environment
 
     init_workspace_manager(torch.device("cuda"))
-    result = {"environment": {**environment(), "vllm": vllm.__version__},
+    result = {"environment": {**run_environment(), "vllm": vllm.__version__},
               "problem": dict(M=tokens, E=32, K=7168, I=2048, k=8, calls=args.calls,
                               rounds=args.rounds, mode="torch.inference_mode")}
     with torch.inference_mode():
