@@ -211,7 +211,7 @@ def test_plan_flags_exactly_what_make_all2all_buffer_refuses(cfg, backend, dp, m
     from vllm_moe_fixes.distributed import buffers
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(buffers, "group_size_and_rank", lambda group, name="group": (dp, 0))
+    monkeypatch.setattr(buffers, "group_rank_and_size", lambda group, name="group": (0, dp))
     def no_deep_ep(backend):
         raise ImportError("stop before building")
 

@@ -34,14 +34,15 @@ def all2all_backend(backend: str | None) -> str:
     return backend
 
 
-def group_size_and_rank(group, name: str = "group") -> tuple[int, int]:
-    """(rank count, this rank) of a torch.distributed process group (None: the default group);
-    ValueError naming ``name`` unless torch.distributed is initialised and group is one."""
+def group_rank_and_size(group, name: str = "group") -> tuple[int, int]:
+    """(this rank, rank count) of a torch.distributed process group (None: the default group),
+    in the order run_distributed passes them to its function; ValueError naming ``name`` unless
+    torch.distributed is initialised and group is one."""
     import torch.distributed as dist
     if not (dist.is_initialized() and (group is None or isinstance(group, dist.ProcessGroup))):
         raise ValueError(f"{name} must be None or a torch.distributed ProcessGroup (with the "
                          f"process group initialised), got {type(group).__name__}")
-    return dist.get_world_size(group), dist.get_rank(group)
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
@@ -78,7 +79,7 @@ def make_all2all_buffer(backend: str | None, group: dist.ProcessGroup | None, *,
     for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
                         ("num_experts", num_experts)):
         check_positive_int(name, value)
-    num_ranks = group_size_and_rank(group)[0]
+    num_ranks = group_rank_and_size(group)[1]
     check_experts_per_rank(num_experts, num_ranks)
 
     if backend == "naive":

@@ -269,10 +269,11 @@ def _run_round(moves: list[Move], weights: Fp8MoEWeights, staging: list[torch.Te
     return sent, received, local
 
 
-def _group_rank(group) -> tuple[int, int]:
+def _rank_and_size(group) -> tuple[int, int]:
+    """(this rank, rank count) of group; (0, 1) without torch.distributed."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def move_weights(old: ExpertPlacement, new: ExpertPlacement, weights: Fp8MoEWeights, *,
@@ -294,7 +295,7 @@ def move_weights(old: ExpertPlacement, new: ExpertPlacement, weights: Fp8MoEWeig
     any weight is written; on one process, the refusal itself.
     """
     weights = Fp8MoEWeights(*weights)
-    world, rank = _group_rank(group)
+    rank, world = _rank_and_size(group)
     device = weights.w1.device
     cap, refusal = None, None
     try:

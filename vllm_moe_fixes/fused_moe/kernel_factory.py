@@ -30,7 +30,7 @@ from vllm_moe_fixes._compat import deep_ep
 from vllm_moe_fixes._validate import check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed.buffers import (
     all2all_backend,
-    group_size_and_rank,
+    group_rank_and_size,
     make_all2all_buffer,
 )
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
@@ -97,7 +97,7 @@ def make_prepare_finalize(ep_group: dist.ProcessGroup | None, *, hidden_size: in
     check_positive_int("num_experts", num_experts)
     if ep_group is None:
         return NoEPPrepareAndFinalize()
-    num_ranks, rank = group_size_and_rank(ep_group, "ep_group")
+    rank, num_ranks = group_rank_and_size(ep_group, "ep_group")
     backend = all2all_backend(backend)
     if max_tokens_per_rank is None:
         max_tokens_per_rank = envs.VLLM_MOE_DP_CHUNK_SIZE
@@ -180,7 +180,7 @@ def local_expert_map(ep_group: dist.ProcessGroup | None, num_experts: int,
     check_positive_int("num_experts", num_experts)
     if ep_group is None:
         return None
-    num_ranks, rank = group_size_and_rank(ep_group, "ep_group")
+    rank, num_ranks = group_rank_and_size(ep_group, "ep_group")
     local_num_experts = check_experts_per_rank(num_experts, num_ranks)
     expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
     first = rank * local_num_experts
