@@ -14,9 +14,11 @@ before any profile: torch.profiler slows later launches):
   layer      per call (do_bench) and per CUDA-graph replay of our layer with PDL as
              contiguous_experts.deep_gemm_pdl chooses, forced on, forced off; vLLM's layer as
              vLLM runs it (PDL on)
+  sweep      (--sweep M...) the SiLU kernel's launch configs on those M's layouts
   silu       SiLU-and-mul + requant on the layer's layout (padding rows skipped through the psum
              ends): ours, vLLM's kernel (same input, same ends), and the byte floor (the slots'
-             rows read once and written once at the copy bandwidth measured in this run)
+             rows read once and written once at the copy bandwidth measured in this run), and
+             both kernels' time inside the layer (profile) over that floor
   profile    per-kernel GPU time of one call (torch.profiler): ours with PDL on and off, vLLM's
 
 Every ratio is ours / vLLM's from this run.
@@ -30,7 +32,7 @@ import statistics
 import torch
 
 from benchmarks import bench_experts as be
-from benchmarks._common import bench_us, copy_us, graph_us, print_table, require_cuda, write_json
+from benchmarks._common import bench_us, graph_us, print_table, require_cuda, write_json
 from vllm_moe_fixes._compat import deep_gemm as dg
 from vllm_moe_fixes.fused_moe import contiguous_experts as ce
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
@@ -39,7 +41,8 @@ from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, empty_mn_major_scales
 from vllm_moe_fixes.ops.silu_mul_quant import silu_and_mul_quant_fp8_triton
 
 K, I, E, TOPK = be.K, be.I, be.LOCAL_NUM_EXPERTS, be.TOPK
-PDL_RULES = {"rule": ce.PDL_MAX_SLOTS, "on": 1 << 40, "off": -1}
+RULE = ce.deep_gemm_pdl
+PDL_RULES = {"rule": RULE, "on": lambda num_slots: True, "off": lambda num_slots: False}
 
 
 def our_layer(w, M):
@@ -63,14 +66,13 @@ def vllm_layer(anchor, w, M):
 
 
 def with_pdl_rule(rule: str, fn):
-    """fn run with contiguous_experts.PDL_MAX_SLOTS set for `rule` (PDL_RULES)."""
+    """fn run with contiguous_experts.deep_gemm_pdl replaced by PDL_RULES[rule]."""
     def run():
-        saved = ce.PDL_MAX_SLOTS
-        ce.PDL_MAX_SLOTS = PDL_RULES[rule]
+        ce.deep_gemm_pdl = PDL_RULES[rule]
         try:
             fn()
         finally:
-            ce.PDL_MAX_SLOTS = saved
+            ce.deep_gemm_pdl = RULE
     return run
 
 
@@ -173,6 +175,9 @@ def measure(M, w, anchor, rounds, copy_gbps, sweep):
     profiles["vllm"] = kernel_split(their_layer)
     rule = "on" if ce.deep_gemm_pdl(M * TOPK) else "off"
     ours_p, their_p = profiles[f"ours_pdl_{rule}"], profiles["vllm"]
+    silu.update(layer_ours_us=ours_p["silu_us"], layer_vllm_us=their_p["silu_us"],
+                layer_ours_over_floor=ours_p["silu_us"] / silu["floor_us"],
+                layer_vllm_over_floor=their_p["silu_us"] / silu["floor_us"])
     row.update(gpu_ratio=ours_p["gpu_us"] / their_p["gpu_us"],
                gemm_kernels_ratio=ours_p["gemm_us"] / their_p["gemm_us"],
                beyond_share_ours=ours_p["beyond_share"], beyond_share_vllm=their_p["beyond_share"])
@@ -183,15 +188,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--m", type=int, nargs="+", default=[128, 1024, 8192])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sweep", type=int, nargs="*", default=[1024, 8192],
+    parser.add_argument("--sweep", type=int, nargs="*", default=[],
                         help="M values whose layout gets the SiLU kernel's config sweep")
     args = parser.parse_args()
     require_cuda("bench_gpu_time")
     anchor, stand_ins = be.vllm_deep_gemm_layer()
     if anchor is None:
         raise SystemExit(f"vLLM's layer is the anchor and cannot run: {stand_ins}")
-    nbytes = 1 << 31
-    copy_gbps = nbytes / (copy_us(nbytes) * 1e3)
+    src = torch.empty(1 << 28, device="cuda")  # 1 GiB of float32, copied: 2 GiB moved
+    copy_gbps = 2 * src.numel() * 4 / (bench_us(torch.empty_like(src).copy_, [(src,)]) * 1e3)
+    del src
     w = be.make_weights(E)
     rows, silus, sweeps, profiles = [], [], [], []
     for M in args.m:
@@ -209,7 +215,7 @@ def main() -> None:
                   f"beyond {p['beyond_us']:.1f} ({p['beyond_share']:.1%}), silu {p['silu_us']:.1f}")
         write_json("gpu_time", dict(anchor="vLLM 0.33 DeepGemmExperts layer, same run",
                                     stand_ins=stand_ins, shape=dict(K=K, I=I, E_local=E, topk=TOPK),
-                                    copy_GBps=copy_gbps, pdl_max_slots=ce.PDL_MAX_SLOTS,
+                                    copy_GBps=copy_gbps,
                                     rows=rows, silu=silus, silu_sweep=sweeps, profiles=profiles))
     print("\nours / vLLM, same run")
     print_table(rows, list(rows[0]))

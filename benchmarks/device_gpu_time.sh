@@ -29,7 +29,8 @@ export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR="$PWD/.deps/dg_jit_cache"
 export PYTHONPATH="$PWD/.deps/DeepEP:$PWD/.deps/DeepGEMM:$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 timeout -k 5 "${TESTS_S:-150}" python3 -m pytest -q -rfEs -p no:cacheprovider \
-    -m "gpu or deep_gemm" tests/test_silu_mul_quant.py tests/test_contiguous_experts.py \
+    -m "gpu or deep_gemm" tests/test_silu_mul_quant.py tests/test_fp8_quant.py \
+    tests/test_contiguous_experts.py tests/test_batched_experts.py \
     tests/test_deep_gemm_compat.py >"$FINAL/logs/tests.log" 2>&1
 echo "GPU tests: status $?"; tail -n 4 "$FINAL/logs/tests.log"
 
