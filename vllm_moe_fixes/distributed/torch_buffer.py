@@ -230,7 +230,7 @@ class TorchAll2AllBuffer:
 
     def _start(self, collective, *args, **kwargs) -> Callable[[], None]:
         """Every exchange of the data starts here (collectives.start_collective); a stand-in
-        that models the link (testing.DelayedAll2AllBuffer) overrides it."""
+        that models the link (delayed_buffer.DelayedAll2AllBuffer) overrides it."""
         return start_collective(collective, *args, **kwargs)
 
     def _start_exchange_packed(self, fields: list[torch.Tensor], send_splits: list[int],

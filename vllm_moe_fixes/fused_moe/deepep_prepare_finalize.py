@@ -185,7 +185,8 @@ class _DeepEPPrepareAndFinalize(AsyncPrepareAndFinalize):
         return self._num_dispatchers
 
     def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None,
-                   *, capturing: bool = False, refusal: BaseException | None = None) -> int:
+                   *, capturing: bool = False, refusal: BaseException | None = None,
+                   micro_batches: int = 1) -> int:
         """The same number of passes on every rank of the group.
 
         One rank: cdiv(num_tokens, chunk_size), no collective (max_tokens_across_ranks is not
@@ -203,7 +204,9 @@ class _DeepEPPrepareAndFinalize(AsyncPrepareAndFinalize):
           run that all-reduce alone, a hang); a pass count that then differs is not detected;
         - captured (capturing), without it: nothing can be agreed, so the call is one pass on
           every rank: ValueError naming max_tokens_across_ranks when num_tokens > chunk_size.
-        Without an all-reduce a refusal is raised at once, on this rank only. A pass count above
+        Without an all-reduce a refusal is raised at once, on this rank only. micro_batches:
+        each pass is that many dispatches (two-batch overlap), each stamped as a pass of its own
+        (ranks that split differently raise together in the first dispatch). A pass count above
         MAX_PASSES_PER_CALL (a max_tokens_across_ranks no buffer or chunk could serve) is
         refused before any collective: with the same value on every rank, on every rank.
         """
@@ -226,7 +229,7 @@ class _DeepEPPrepareAndFinalize(AsyncPrepareAndFinalize):
                     "(VLLM_FUSED_MOE_CHUNK_SIZE, capped by max_tokens_per_rank; no "
                     f"collective can agree on more), got M={num_tokens}; pass the largest M "
                     "of the group's ranks as max_tokens_across_ranks, or capture fewer tokens")
-            return self._planned(1, chunk_size, 0)
+            return self._planned(1, micro_batches, chunk_size, 0)
         elif not (capturing or self._stamps_passes or self._agreed_chunk_size is not None):
             group_max_tokens(group, 0, chunk_size)
             self._agreed_chunk_size = chunk_size
@@ -237,11 +240,12 @@ class _DeepEPPrepareAndFinalize(AsyncPrepareAndFinalize):
                 f"of {chunk_size} tokens (VLLM_FUSED_MOE_CHUNK_SIZE, capped by "
                 f"max_tokens_per_rank), more than the {MAX_PASSES_PER_CALL} any call can "
                 "sensibly run; pass the largest M of the group's ranks for this call")
-        return self._planned(passes, chunk_size, max_tokens_across_ranks)
+        return self._planned(passes, micro_batches, chunk_size, max_tokens_across_ranks)
 
-    def _planned(self, passes: int, chunk_size: int, max_tokens: int) -> int:
-        """Keep the call's plan for the PassStamps of its dispatches; return passes."""
-        self._plan = PassStamp(0, passes, chunk_size, max_tokens)
+    def _planned(self, passes: int, micro_batches: int, chunk_size: int, max_tokens: int) -> int:
+        """Keep the call's plan (passes * micro_batches dispatches) for the PassStamps of its
+        dispatches; return passes."""
+        self._plan = PassStamp(0, passes * micro_batches, chunk_size, max_tokens)
         return passes
 
     def _stamp_pass(self) -> None:

@@ -157,7 +157,8 @@ class PrepareAndFinalize(ABC):
         return 1
 
     def num_chunks(self, num_tokens: int, chunk_size: int, max_tokens_across_ranks: int | None,
-                   *, capturing: bool = False, refusal: BaseException | None = None) -> int:
+                   *, capturing: bool = False, refusal: BaseException | None = None,
+                   micro_batches: int = 1) -> int:
         """Dispatch chunks for a call of num_tokens tokens, at most chunk_size tokens each.
 
         Every rank of an expert-parallel group must return the same number (each pass is one
@@ -167,6 +168,10 @@ class PrepareAndFinalize(ABC):
         keep in step with); several, cdiv(max_tokens_across_ranks, chunk_size) when the caller
         gives the group's maximum, else one pass (no count is agreed without a collective: an
         expert-parallel subclass overrides this).
+
+        micro_batches: each pass runs as this many dispatches and combines (the kernel's
+        two-batch overlap), for a subclass that counts the dispatches of a call; the pass count
+        does not depend on it.
 
         refusal: this rank's error for the call (the kernel's checks refused it). A subclass
         that agrees something across the group here joins that agreement carrying it, so that

@@ -22,6 +22,21 @@ Memory of one call, counted on top of the inputs and weights:
 implementation must finish reading workspace13 before it writes `output`. When the experts reduce
 and the prepare/finalize has nothing to combine (`passes_reduced_output_through`), the experts
 write the layer's output directly.
+
+Two-batch overlap (``micro_batches=2``, off by default): each chunk's tokens run as two
+micro-batches, and one's transfer overlaps the other's experts, through the prepare/finalize's
+asynchronous calls (prepare_async / finalize_async: their receivers wait):
+
+    dispatch 0, dispatch 1 | experts 0 | combine 0 | experts 1 | combine 1
+                  (hidden by experts 0) (hidden by experts 1)
+
+More micro-batches pipeline the same way (dispatch i + 1 and combine i - 1 behind experts i), so
+all but the first dispatch and the last combine can hide. On CUDA the transfers run on the
+communication library's stream (DeepEP's, or NCCL's for the torch buffers) while the experts run
+on the caller's: two streams, each micro-batch's data handed over by events; DeepEP's
+low-latency receive hook instead runs the receive kernel on the caller's stream, the transfer
+itself taking no SM in between. The micro-batches alternate between two sets of workspaces (a
+combine may still read the experts' output while the next micro-batch's experts run).
 """
 
 from __future__ import annotations
@@ -90,6 +105,14 @@ class FusedMoEModularKernel:
         prepare_finalize: a PrepareAndFinalize (NoEP, DeepEP high-throughput / low-latency).
         experts: an Experts of the same activation_format.
         workspaces: a Workspaces to share between layers; default: one owned by this kernel.
+        micro_batches: 1 (default): each chunk is one prepare -> experts -> finalize. 2:
+            two-batch overlap (module docstring); more: the same pipeline over more
+            micro-batches (not with a BATCHED prepare/finalize: DeepEP's low-latency buffer
+            holds two dispatches' results). Needs a prepare/finalize with supports_async(), the
+            same value on every rank; a second set of workspaces is kept for it.
+        comm_sms: SMs DeepEP's high-throughput kernels take (``set_num_sms`` of the
+            prepare/finalize's buffer: process-wide, even), leaving the rest to the experts; None
+            keeps the buffer's (DeepEP's default, 20).
 
     Raises ValueError for a pair of different activation formats, for reducing experts with
     a prepare/finalize whose finalize does not take output_is_reduced (see
@@ -99,7 +122,8 @@ class FusedMoEModularKernel:
     """
 
     def __init__(self, prepare_finalize: PrepareAndFinalize, experts: Experts,
-                 workspaces: Workspaces | None = None) -> None:
+                 workspaces: Workspaces | None = None, *, micro_batches: int = 1,
+                 comm_sms: int | None = None) -> None:
         if not isinstance(prepare_finalize, PrepareAndFinalize):
             raise ValueError(f"prepare_finalize must be a PrepareAndFinalize, got "
                              f"{type(prepare_finalize).__name__}")
@@ -138,9 +162,16 @@ class FusedMoEModularKernel:
                 "output_is_reduced, so it cannot tell a reduced [M', K] output from [M', k, K] "
                 "rows: add `*, output_is_reduced: bool = False` to its signature and pass a "
                 "reduced output on unchanged (README, 'Writing a prepare/finalize')")
+        _check_overlap(prepare_finalize, micro_batches, comm_sms)
+        if comm_sms is not None:
+            prepare_finalize.buffer.set_num_sms(comm_sms)
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.workspaces = workspaces if workspaces is not None else Workspaces()
+        self.micro_batches = micro_batches
+        # the odd micro-batches' workspaces (a combine may still read the even one's output)
+        self._second_workspaces = Workspaces() if micro_batches > 1 else None
+        self._split = {"micro_batches": micro_batches} if micro_batches > 1 else {}
         self._plans: dict[tuple, _ChunkPlan] = {}  # see _chunk_plan
 
     def __call__(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -259,7 +290,7 @@ class FusedMoEModularKernel:
         if self.prepare_finalize.num_dispatchers() > 1:
             dispatch_chunk_tokens = self._dispatch_chunk_tokens(envs.VLLM_FUSED_MOE_CHUNK_SIZE)
             self.prepare_finalize.num_chunks(0, dispatch_chunk_tokens, max_tokens_across_ranks,
-                                             capturing=capturing, refusal=refusal)
+                                             capturing=capturing, refusal=refusal, **self._split)
         raise refusal
 
     def _dispatch_chunk_tokens(self, experts_pass_tokens: int) -> int:
@@ -275,9 +306,14 @@ class FusedMoEModularKernel:
         M = hidden_states.shape[0]
         pf = self.prepare_finalize
         chunk = self._dispatch_chunk_tokens(call.experts_pass_tokens)
-        num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks, capturing=capturing)
+        num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks, capturing=capturing,
+                                   **self._split)
         step = max(chunk, cdiv(M, num_chunks)) if num_chunks else chunk
         output = torch.empty_like(hidden_states)
+        if self.micro_batches > 1:
+            self._run_overlapped(call, hidden_states, topk_weights, topk_ids, output,
+                                 _micro_batch_rows(M, step, num_chunks, self.micro_batches))
+            return output
         if num_chunks == 1:  # one pass takes the whole tensors (no slice views to build)
             self._run_chunk(call, hidden_states, topk_weights, topk_ids, output)
             return output
@@ -289,11 +325,52 @@ class FusedMoEModularKernel:
 
     def _run_chunk(self, call: _LayerCall, x, topk_weights, topk_ids, output) -> None:
         """prepare -> experts -> finalize for one chunk of tokens (validated arguments)."""
+        pf = self.prepare_finalize
+        prep = pf.prepare(x, topk_weights, topk_ids, call.global_num_experts, call.expert_map,
+                          call.on_input)
+        fused_out, topk_weights, topk_ids = self._apply_experts(
+            call, prep, x, topk_weights, topk_ids, output, self.workspaces)
+        if self._finalize_takes_reduced:
+            pf.finalize(output, fused_out, topk_weights, topk_ids, call.on_input,
+                        output_is_reduced=self.experts.reduces_output)
+        else:  # a finalize of the signature before output_is_reduced (experts that do not reduce)
+            pf.finalize(output, fused_out, topk_weights, topk_ids, call.on_input)
+
+    def _run_overlapped(self, call: _LayerCall, hidden_states, topk_weights, topk_ids, output,
+                        micro_batches: list[slice]) -> None:
+        """The micro-batches pipelined (module docstring): micro-batch i + 1's dispatch is started
+        before micro-batch i's experts run, and micro-batch i - 1's combine is waited for after
+        them. Every micro-batch is a dispatch and a combine, empty ones included (collectives)."""
+        pf = self.prepare_finalize
+
+        def start(rows: slice):
+            return pf.prepare_async(hidden_states[rows], topk_weights[rows], topk_ids[rows],
+                                    call.global_num_experts, call.expert_map, call.on_input)
+
+        receiving, combining = start(micro_batches[0]), None
+        for i, rows in enumerate(micro_batches):
+            upcoming = start(micro_batches[i + 1]) if i + 1 < len(micro_batches) else None
+            prep = receiving()
+            spaces = self._second_workspaces if i % 2 else self.workspaces
+            fused_out, received_weights, received_ids = self._apply_experts(
+                call, prep, hidden_states[rows], topk_weights[rows], topk_ids[rows],
+                output[rows], spaces)
+            if combining is not None:
+                combining()
+            combining = pf.finalize_async(output[rows], fused_out, received_weights, received_ids,
+                                          call.on_input,
+                                          output_is_reduced=self.experts.reduces_output,
+                                          handle=prep.handle)
+            receiving = upcoming
+        combining()
+
+    def _apply_experts(self, call: _LayerCall, prep, x, topk_weights, topk_ids, output,
+                       spaces: Workspaces) -> tuple:
+        """The experts on what prepare returned, with views of ``spaces``: (their output, the
+        topk_weights and topk_ids finalize takes)."""
         pf, experts, weights = self.prepare_finalize, self.experts, call.weights
         local_num_experts, I, K = weights.w1.shape[0], weights.w2.shape[2], x.shape[1]
         topk, on_input = topk_ids.shape[1], call.on_input
-        prep = pf.prepare(x, topk_weights, topk_ids, call.global_num_experts, call.expert_map,
-                          on_input)
         if prep.topk_ids is not None:
             topk_ids = prep.topk_ids
         if prep.topk_weights is not None:
@@ -302,8 +379,8 @@ class FusedMoEModularKernel:
         rows = prep.a1q.shape[0] if standard else prep.a1q.shape[1]
         ws13, ws2, fused_out, expected_m = self._chunk_plan(
             (rows, I, K, topk, local_num_experts, call.global_num_experts,
-             call.experts_pass_tokens, x.device, x.dtype), standard)
-        reduced = experts.reduces_output
+             call.experts_pass_tokens, x.device, x.dtype, spaces is self.workspaces), standard,
+            spaces)
         if fused_out is None:
             fused_out = output
         if rows > 0:  # rows == 0: out_shape has a zero dimension, fused_out is empty
@@ -314,22 +391,18 @@ class FusedMoEModularKernel:
                           topk_weights=None if on_input else topk_weights,
                           expected_m=expected_m, experts_pass_tokens=call.experts_pass_tokens,
                           **scales)
-        if self._finalize_takes_reduced:
-            pf.finalize(output, fused_out, topk_weights, topk_ids, on_input,
-                        output_is_reduced=reduced)
-        else:  # a finalize of the signature before output_is_reduced (experts that do not reduce)
-            pf.finalize(output, fused_out, topk_weights, topk_ids, on_input)
+        return fused_out, topk_weights, topk_ids
 
-    def _chunk_plan(self, key: tuple, standard: bool) -> tuple:
+    def _chunk_plan(self, key: tuple, standard: bool, spaces: Workspaces) -> tuple:
         """(ws13, ws2, the experts' output view or None for the layer's output, expected_m) of a
         chunk of key = (rows, I, K, topk, E_l, global_num_experts, experts_pass_tokens, device,
-        dtype): what depends on these alone (the experts' workspace_shapes, the workspace views,
-        the masked GEMM's expected_m), worked out once per key and kept while the kernel's
-        Workspaces keeps those views (same object and generation; a Workspaces shared with
-        other layers may grow under them). The plan refers to the views weakly: a buffer that
-        grows is freed before its successor is allocated, as without plans."""
+        dtype, whether ``spaces`` is the kernel's first Workspaces): what depends on these alone
+        (the experts' workspace_shapes, the workspace views, the masked GEMM's expected_m),
+        worked out once per key and kept while ``spaces`` keeps those views (same object and
+        generation; a Workspaces shared with other layers may grow under them). The plan refers
+        to the views weakly: a buffer that grows is freed before its successor is allocated, as
+        without plans."""
         plan = self._plans.get(key)
-        spaces = self.workspaces
         if plan is not None and plan.workspaces is spaces and plan.generation == spaces.generation:
             ws13, ws2 = plan.ws13(), plan.ws2()
             fused_out = None if plan.fused_out is None else plan.fused_out()
@@ -337,7 +410,7 @@ class FusedMoEModularKernel:
                                                          or fused_out is not None):
                 return ws13, ws2, fused_out, plan.expected_m
         rows, I, K, topk, local_num_experts, global_num_experts, experts_pass_tokens, device, \
-            dtype = key
+            dtype, _ = key
         pf, experts = self.prepare_finalize, self.experts
         ws13_shape, ws2_shape, out_shape = experts.workspace_shapes(
             rows, I, K, topk, local_num_experts, experts_pass_tokens=experts_pass_tokens)
@@ -365,6 +438,49 @@ def _experts_output_view(ws13: torch.Tensor, ws2: torch.Tensor, out_shape: tuple
         raise ValueError(f"{experts_name}.workspace_shapes: out_shape {out_shape} does not fit in "
                          f"workspace13 {tuple(ws13.shape)}")
     return ws13.view(-1)[:math.prod(out_shape)].view(out_shape)
+
+
+def _check_overlap(prepare_finalize: PrepareAndFinalize, micro_batches: int,
+                   comm_sms: int | None) -> None:
+    """ValueError unless micro_batches and comm_sms are a two-batch overlap prepare_finalize can
+    run (FusedMoEModularKernel's arguments)."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1 (1: no overlap, "
+                         "2: two-batch overlap)")
+    name = type(prepare_finalize).__name__
+    if micro_batches > 1 and not prepare_finalize.supports_async():
+        raise ValueError(f"micro_batches={micro_batches}: {name} has no asynchronous "
+                         "prepare/finalize (supports_async() is False), so nothing can overlap; "
+                         "use micro_batches=1")
+    if micro_batches > 1 and not _takes_keyword(prepare_finalize.num_chunks, "micro_batches"):
+        raise ValueError(f"micro_batches={micro_batches}: {name}.num_chunks does not take the "
+                         "keyword micro_batches (PrepareAndFinalize.num_chunks)")
+    if micro_batches > 2 and prepare_finalize.activation_format == ActivationFormat.BATCHED:
+        raise ValueError(f"micro_batches={micro_batches}: {name} dispatches into DeepEP's "
+                         "low-latency buffer, which holds two dispatches' results; use 2")
+    if comm_sms is None:
+        return
+    if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms <= 0 \
+            or comm_sms % 2:
+        raise ValueError(f"comm_sms={comm_sms!r} must be a positive even int (DeepEP's "
+                         "Buffer.set_num_sms)")
+    if not callable(getattr(getattr(prepare_finalize, "buffer", None), "set_num_sms", None)):
+        raise ValueError(f"comm_sms={comm_sms}: {name} has no buffer with set_num_sms (DeepEP's "
+                         "high-throughput Buffer or TorchAll2AllBuffer)")
+
+
+def _micro_batch_rows(num_tokens: int, step: int, num_chunks: int,
+                      micro_batches: int) -> list[slice]:
+    """The rows of each micro-batch: every chunk of ``step`` rows (the last one shorter, those
+    past num_tokens empty) split into ``micro_batches`` parts of cdiv(chunk rows, micro_batches)
+    (the last ones shorter or empty), num_chunks * micro_batches slices in order."""
+    slices = []
+    for i in range(num_chunks):
+        start, stop = min(i * step, num_tokens), min((i + 1) * step, num_tokens)
+        part = cdiv(stop - start, micro_batches)
+        slices += [slice(min(start + j * part, stop), min(start + (j + 1) * part, stop))
+                   for j in range(micro_batches)]
+    return slices
 
 
 def _takes_keyword(method, name: str) -> bool:

@@ -1,0 +1,170 @@
+"""FusedMoEModularKernel(micro_batches=n): the overlapped call gives the non-overlapped call's
+output bit for bit on CPU, over every expert-parallel prepare/finalize (high-throughput and V2 with
+2 and 3 micro-batches, low-latency with 2), on 1, 2 and 4 gloo ranks, with several chunks per
+call and ranks with 0 and 1 tokens; and the arguments it refuses."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+
+from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
+from vllm_moe_fixes.distributed.torch_elastic_buffer import TorchElasticBuffer
+from vllm_moe_fixes.fused_moe.batched_experts import BatchedTritonExperts
+from vllm_moe_fixes.fused_moe.contiguous_experts import TritonExperts
+from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
+    DeepEPHTPrepareAndFinalize,
+    DeepEPLLPrepareAndFinalize,
+    DeepEPV2PrepareAndFinalize,
+)
+from vllm_moe_fixes.fused_moe.kernel_factory import local_expert_map
+from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
+from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.testing import random_fp8_moe_weights
+
+K, I, E_LOCAL, TOPK = 2048, 128, 4, 3  # K: a hidden size DeepEP's low-latency kernels serve
+CHUNK = 6                              # VLLM_FUSED_MOE_CHUNK_SIZE: several chunks per call
+TOKENS = [13, 1, 0, 7]                 # per rank
+
+
+def _inputs(rank: int, world: int):
+    num_experts = E_LOCAL * world
+    weights = random_fp8_moe_weights(num_experts, K, I, generator=torch.Generator().manual_seed(7))
+    local = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    local_weights = [t[local].contiguous() for t in weights]
+    g = torch.Generator().manual_seed(30 + rank)
+    m = TOKENS[rank]
+    x = torch.randn(m, K, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:TOPK] for _ in range(m)]) \
+        if m else torch.zeros(0, TOPK, dtype=torch.int64)
+    ids[torch.rand(m, TOPK, generator=g) < 0.2] = -1
+    topk_weights = torch.rand(m, TOPK, generator=g)
+    return num_experts, local_weights, x, topk_weights, ids
+
+
+def _layer(kernel, inputs):
+    num_experts, (w1, s1, w2, s2), x, topk_weights, ids = inputs
+    expert_map = local_expert_map(dist.group.WORLD, num_experts, x.device)
+    return kernel(x, w1, w2, topk_weights, ids, w1_scale=s1, w2_scale=s2,
+                  global_num_experts=num_experts, expert_map=expert_map)
+
+
+def _worker(rank: int, world: int) -> None:
+    os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"] = str(CHUNK)  # this forked rank's environment only
+    num_experts = E_LOCAL * world
+    wiring = dict(num_dispatchers=world, rank_expert_offset=rank * E_LOCAL)
+    ll_buffer = TorchAll2AllBuffer(low_latency_mode=True, num_max_dispatch_tokens_per_rank=8,
+                                   hidden=K, num_experts=num_experts)
+    elastic = TorchElasticBuffer(num_max_tokens_per_rank=CHUNK, hidden=K, num_topk=TOPK,
+                                 use_fp8_dispatch=True)
+    kinds = [
+        (lambda: DeepEPHTPrepareAndFinalize(TorchAll2AllBuffer(), **wiring), TritonExperts,
+         (2, 3)),
+        (lambda: DeepEPLLPrepareAndFinalize(ll_buffer, num_dispatchers=world,
+                                            max_tokens_per_rank=8),
+         BatchedTritonExperts, (2,)),
+        (lambda: DeepEPV2PrepareAndFinalize(elastic, max_tokens_per_rank=CHUNK, **wiring),
+         TritonExperts, (2,)),
+    ]
+    inputs = _inputs(rank, world)
+    for make_pf, experts, splits in kinds:
+        want = _layer(FusedMoEModularKernel(make_pf(), experts()), inputs)
+        assert torch.isfinite(want.float()).all()
+        for micro_batches in splits:
+            kernel = FusedMoEModularKernel(make_pf(), experts(), micro_batches=micro_batches)
+            got = _layer(kernel, inputs)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                (type(kernel.prepare_finalize).__name__, micro_batches)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_overlapped_call_equals_the_plain_call(world):
+    run_distributed(_worker, world)
+
+
+class _StubBuffer:
+    """What the kernel's argument checks read of a buffer: nothing is dispatched."""
+
+    low_latency_mode = True
+
+    def __init__(self):
+        self.num_sms = None
+
+    def set_num_sms(self, n):
+        self.num_sms = n
+
+    get_dispatch_layout = dispatch = combine = low_latency_dispatch = low_latency_combine = None
+
+
+def _ht():
+    buffer = _StubBuffer()
+    buffer.get_dispatch_layout = buffer.dispatch = buffer.combine = lambda *a, **k: None
+    return DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=1, rank_expert_offset=0)
+
+
+def _ll():
+    buffer = _StubBuffer()
+    buffer.low_latency_dispatch = buffer.low_latency_combine = lambda *a, **k: None
+    return DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=1, max_tokens_per_rank=8)
+
+
+@pytest.mark.parametrize("make_pf, experts, kwargs, match", [
+    (_ht, TritonExperts, dict(micro_batches=0), "micro_batches=0 must be an int >= 1"),
+    (_ht, TritonExperts, dict(micro_batches=True), "micro_batches=True must be an int"),
+    (NoEPPrepareAndFinalize, TritonExperts, dict(micro_batches=2),
+     "NoEPPrepareAndFinalize has no asynchronous prepare/finalize"),
+    (_ll, BatchedTritonExperts, dict(micro_batches=3), "holds two dispatches' results; use 2"),
+    (_ht, TritonExperts, dict(comm_sms=7), "comm_sms=7 must be a positive even int"),
+    (NoEPPrepareAndFinalize, TritonExperts, dict(comm_sms=8), "has no buffer with set_num_sms"),
+])
+def test_overlap_arguments_refused(make_pf, experts, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FusedMoEModularKernel(make_pf(), experts(), **kwargs)
+
+
+def test_comm_sms_is_declared_to_the_buffer():
+    pf = _ht()
+    kernel = FusedMoEModularKernel(pf, TritonExperts(), micro_batches=2, comm_sms=24)
+    assert pf.buffer.num_sms == 24 and kernel.micro_batches == 2
+
+
+def _delayed_worker(rank: int, world: int) -> None:
+    """Two asynchronous dispatches over the simulated link: the plain buffer's rows, each wait
+    returning no earlier than the link's booked end, the second transfer queued after the
+    first."""
+    from test_torch_buffer import make_problem
+
+    from vllm_moe_fixes.distributed.delayed_buffer import DelayedAll2AllBuffer
+
+    xs, ids, ws = make_problem(3, [5, 3], 4, 2, 256)
+    x, idx, w = xs[rank], ids[rank], ws[rank]
+    spb = 2e-7
+    plain, delayed = TorchAll2AllBuffer(), DelayedAll2AllBuffer(seconds_per_byte=spb)
+    layout = plain.get_dispatch_layout(idx, 4)[:4]
+    args = dict(num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
+                is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=idx,
+                topk_weights=w)
+    want = plain.dispatch(x, **args)[0]
+    row_bytes = 256 * 2 + idx.shape[1] * (8 + 4)  # x, ids, weights packed
+    per_dispatch = int(layout[0].sum()) * row_bytes * spb
+    began = time.perf_counter()
+    first = delayed.dispatch(x, async_finish=True, **args)
+    second = delayed.dispatch(x, async_finish=True, **args)
+    assert delayed.link_seconds == pytest.approx(2 * per_dispatch)
+    first[-1].current_stream_wait()
+    second[-1].current_stream_wait()
+    assert time.perf_counter() - began >= 2 * per_dispatch
+    assert torch.equal(first[0], want) and torch.equal(second[0], want)
+
+
+def test_delayed_buffer_books_a_serial_link():
+    run_distributed(_delayed_worker, 2)
+
+
+def test_delayed_buffer_refuses_a_negative_delay():
+    from vllm_moe_fixes.distributed.delayed_buffer import DelayedAll2AllBuffer
+    with pytest.raises(ValueError, match="seconds_per_byte=-1 must be a number >= 0"):
+        DelayedAll2AllBuffer(seconds_per_byte=-1)
