@@ -603,9 +603,10 @@ class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         topk_ids int32/int64 [M, k] global ids.
 
         The receiver returns a1q fp8 [M', K] and row-major f32 scales [M', K/128] of the rows
-        received, topk_ids [M', k] (topk_idx_dtype) GLOBAL ids of experts on this rank (-1 elsewhere and on
-        rows past the valid ones) and topk_weights f32 [M', k] (0 at -1). With do_cpu_sync the
-        aligned per-local-expert counts are kept in ``num_recv_tokens_per_expert`` (else []).
+        received, topk_ids [M', k] (topk_idx_dtype) GLOBAL ids of experts on this rank (-1
+        elsewhere and on rows past the valid ones) and topk_weights f32 [M', k] (0 at -1). With
+        do_cpu_sync the aligned per-local-expert counts are kept in
+        ``num_recv_tokens_per_expert`` (else []).
         V2 places expert g on rank g // E_l: rank_expert_offset and expert_map are checked
         against that placement as DeepEPHTPrepareAndFinalize checks them.
         """
