@@ -40,64 +40,43 @@ from vllm_moe_fixes.sizes import cdiv
 # ----------------------------------------------------------------------------------------------
 # A config is a dict with the keys of DEFAULT_CONFIG: BLOCK_M, BLOCK_N (tile), GROUP_M (M tiles
 # per L2 swizzle group), num_warps, num_stages, IMPRECISE_ACC, WARP_SPECIALIZE. BLOCK_K is
-# SCALE_BLOCK (one scale per K block).
+# SCALE_BLOCK (one scale per K block). BLOCK_M must divide ROW_ALIGNMENT = 128 (a tile never spans
+# two experts' segments); BLOCK_N is a power of two up to 256 (a TMA box dimension; it then divides
+# SCALE_BLOCK or is 256: a tile never splits a weight-scale block).
 #
-# IMPRECISE_ACC: how many K elements Hopper's FP8 tensor cores sum in their own accumulator before
-# the partial sum is added in float32. Their FP8 accumulator keeps only about 14 mantissa bits, and
-# Triton's default on SM90 (max_num_imprecise_acc = 2**30) leaves a whole 128-wide scale block
-# there (the 4 wgmma steps of K = 32); 32 or 64 adds each wgmma step's (or pair's) partial in
-# float32 (`tl.dot`'s max_num_imprecise_acc). 0 keeps Triton's default, which is also what
-# DeepGEMM does (it promotes once per 128 of K): on the H200 the default's output equals
-# DeepGEMM's (calc_diff 0 on every bench shape) and both miss the exact block product's bf16 value
-# in 6.8% of elements, 64 in 4.3%, 32 in 2.6%, at 0.87 / 0.62 of the default's TFLOP/s
-# (benchmarks/results/grouped_gemm_accuracy.json, kernels_h200.log). Other GPUs and the
-# interpreter accumulate in float32 throughout and ignore it.
-# Where the caller names no IMPRECISE_ACC, K >= PROMOTE_FROM_K promotes every PROMOTE_EVERY of K
-# (`_promoted`): vLLM 0.33's block-FP8 fused-MoE test, with its activation scales rounded to powers
-# of two as on a Hopper GPU with DeepGEMM, failed 3 of its 160 cases (E 2, N 4608, K 7168) at
-# 1.02-1.23 of its tolerance with GEMM1 (K 7168) promoting once per 128; promoting every 64 in
-# GEMM1 alone brought every case of that shape under 0.84 (H200, Dec 2 13:23, 30 cases). GEMM2
-# (K = I, 2048 for DeepSeek) keeps the default's speed.
-# WARP_SPECIALIZE: Triton's automatic warp specialisation of the K loop (producer / consumer
-# partitions; triton 3.6 implements it for Hopper). Measured at 4 x 8192, N 4096, K 7168: 888 vs
-# 892 TFLOP/s contiguous, 423 vs 899 masked, so it stays off.
-# Larger tiles do not pay here: 128x128 (8 warps, or 4 warps with the tile computed as two
-# 64-row halves, each with its own accumulator), 64x256 and 128x256 (two 128-column halves) ran
-# at 0.45-0.82 of the default on the bench shapes (contiguous; masked up to 0.99), with or without
-# warp specialisation (benchmarks/results/grouped_gemm_sweep_h200.log, two runs). Unsplit, with
-# the scales of the next K block loaded before the dot, 128x128 8w, 64x256 8w, 64x128 8w and
-# 64x64 ran at 0.77-0.87 of the default, and the default's tile itself at 0.94-0.98: loading the
-# scales early costs more than their load latency, which the SM's other CTAs already hide
-# (grouped_gemm_config_h200.txt, Dec 2 12:55).
-# BLOCK_M must divide ROW_ALIGNMENT = 128 (a tile never spans two experts' segments); BLOCK_N is
-# a power of two up to 256 (a TMA box dimension; it then divides SCALE_BLOCK or is 256: a tile
-# never splits a weight-scale block).
+# IMPRECISE_ACC: how many K elements Hopper's FP8 tensor cores sum in their own accumulator (about
+# 14 mantissa bits) before the partial sum is added in float32 (`tl.dot`'s max_num_imprecise_acc).
+# 0 keeps Triton's default, a whole 128-wide scale block, which is what DeepGEMM does: the outputs
+# then equal DeepGEMM's. 64 or 32 promote every wgmma pair or step: closer to the exact block
+# product, at lower TFLOP/s (benchmarks/results/grouped_gemm_accuracy.json). Other GPUs and the
+# interpreter accumulate in float32 throughout and ignore it. Where the caller names none, K >=
+# PROMOTE_FROM_K promotes every PROMOTE_EVERY of K (`_promoted`): at K 7168 once per 128 leaves
+# vLLM's block-FP8 fused-MoE test (scales rounded to powers of two, as with DeepGEMM on Hopper)
+# above its tolerance, every 64 under it; GEMM2 (K = I, 2048 for DeepSeek) keeps the default's
+# speed.
+# WARP_SPECIALIZE (Triton's automatic producer / consumer partitions of the K loop) stays off: it
+# halves the masked kernel's speed and gains nothing contiguous. Larger tiles (128x128, 64x256,
+# 128x256, split or not) and loading the next K block's scales early are slower than the default
+# on the bench shapes: the SM's other CTAs already hide the scales' load latency
+# (benchmarks/results/grouped_gemm_config_h200.txt and grouped_gemm_sweep_h200.log hold the
+# sweeps).
 #
 # A and W blocks are loaded through host TMA descriptors (A as [rows, K], W as [E*N, K]; rows
 # past the end read as zeros, rows of a neighbouring expert are never stored). At 64x128 with 4
-# warps the kernel then needs 165 registers, so 3 CTAs share an SM at num_stages=3 (72 KiB of
-# shared memory). Per-thread pointer loads remain only for operands a descriptor cannot describe
-# (see _tma_views).
+# warps the kernel needs 165 registers, so 3 CTAs share an SM at num_stages=3 (72 KiB of shared
+# memory). Per-thread pointer loads remain only for operands a descriptor cannot describe (see
+# _tma_views).
 #
-# Default: the best tile of 30 configs in the H200 sweep of
-# benchmarks/results/grouped_gemm_config_h200.txt; GROUP_M 32 rather than 16 from two later runs
-# of both (contiguous 0.995 / 0.993 of the per-shape best vs 0.968 / 0.985, masked 0.991 / 0.985
-# vs 0.982 / 0.977; grouped_gemm_sweep_h200.log). The masked kernel shares the main loop and the
-# TMA operand shapes, so it takes the same default.
+# Default: the best tile of the H200 sweep; the masked kernel shares the main loop and the TMA
+# operand shapes, so it takes the same default.
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=32, num_warps=4, num_stages=3,
                       IMPRECISE_ACC=0, WARP_SPECIALIZE=False)
 # The contiguous kernel's swizzle groups run over the stacked rows of all experts, so with few rows
-# an expert a group of 32 M tiles spans several experts, whose W tiles it cannot share; the masked
-# grid has an axis per expert, so its groups never span two, and with the same tile and main loop
-# it ran faster at 256 rows an expert (5.6-7.7%) and 1024 (1.0-4.8%), not at 4096-8192 (H200,
-# four runs, Dec 2; grouped_gemm_config_h200.txt).
-# Where the caller names no GROUP_M, the contiguous kernel therefore takes a group of about one
-# expert's M tiles (rows // experts // BLOCK_M, down to a power of two, between _MIN_GROUP_M and
-# DEFAULT_CONFIG's): the masked kernel's tile order for equal experts. Only the order changes, so
-# the output bits do not. Timed on the H200 (Dec 2 13:28, one run, GROUP_M given vs picked), the
-# pick was the best of 32/16/8/4 on 5 of the 6 bench shapes and within 1.5% on the sixth: 32 x 256
-# rows 4: 794.9 TFLOP/s vs 765.9 at 32; 8 x 1024 rows 16: 888.0 / 825.9 vs 840.2 / 797.4 at 32
-# (K 7168 / 2048); 4096-8192 rows 32 (grouped_gemm_config_h200.txt).
+# an expert a group of 32 M tiles spans several experts, whose W tiles it cannot share (the masked
+# grid has an axis per expert, so its groups never span two). Where the caller names no GROUP_M,
+# the contiguous kernel therefore takes a group of about one expert's M tiles (rows // experts //
+# BLOCK_M, down to a power of two, between _MIN_GROUP_M and DEFAULT_CONFIG's): the masked kernel's
+# tile order for equal experts. Only the order changes, so the output bits do not.
 _MIN_GROUP_M = 4
 PROMOTE_FROM_K = 4096
 PROMOTE_EVERY = 64
