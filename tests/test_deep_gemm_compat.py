@@ -133,7 +133,7 @@ def test_pdl_set_for_the_block_and_restored(monkeypatch):
     with compat.pdl_set_to(False):
         assert compat.get_pdl() is False
     assert state["pdl"] is True and state["sets"] == [False, True]
-    with pytest.raises(KeyError), compat.pdl_set_to(False):
+    with pytest.raises(KeyError, match="inside"), compat.pdl_set_to(False):
         raise KeyError("inside")
     assert state["pdl"] is True
     state["sets"].clear()

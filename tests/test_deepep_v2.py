@@ -279,7 +279,8 @@ def test_prepare_finalize_arguments(kwargs, match):
 def test_a_wrong_buffer_is_told_what_v2_takes(buffer):
     """V2 takes an ElasticBuffer or its stand-in; the message names those, not V1's buffers
     (it said 'must be a deep_ep.Buffer or TorchAll2AllBuffer ...; got TorchAll2AllBuffer')."""
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ValueError, match=r"^buffer must be a deep_ep.ElasticBuffer \(DeepEP V2\)") \
+            as refused:
         DeepEPV2PrepareAndFinalize(buffer, num_dispatchers=1, rank_expert_offset=0)
     wanted, _, got = str(refused.value).rpartition("got ")
     assert "ElasticBuffer" in wanted and "TorchElasticBuffer" in wanted, str(refused.value)

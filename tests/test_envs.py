@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ BAD_VALUES = (
 @pytest.mark.parametrize("name,raw", BAD_VALUES)
 def test_bad_value_names_variable_value_and_allowed(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match=re.escape(f"{name}={raw!r}")) as err:
         getattr(envs, name)
     message = str(err.value)
     assert name in message and repr(raw) in message and envs.REGISTRY[name].allowed in message
@@ -105,7 +106,7 @@ def test_int_spelled_with_underscore_says_digits_only(monkeypatch):
 
 
 def test_unknown_attribute_is_attribute_error():
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="VLLM_NOT_A_VARIABLE"):
         envs.VLLM_NOT_A_VARIABLE
 
 

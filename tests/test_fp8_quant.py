@@ -315,40 +315,48 @@ def test_public_op_out_s_errors():
                                   out_s=torch.empty(2, 5).t())
 
 
-def _bad(**kw):
+def _bad(match, **kw):
     args = dict(x=torch.randn(4, 256, dtype=torch.bfloat16))
     args.update(kw)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         per_token_group_quant_fp8(**args)
 
 
 def test_errors():
     x = torch.randn(4, 256, dtype=torch.bfloat16)
-    _bad(x=torch.randn(4, 200, dtype=torch.bfloat16))  # K % group_size
-    _bad(x=x.to(torch.float64))
-    _bad(x=x.to(torch.int32))
-    _bad(x=x.to(FP8_DTYPE))
-    _bad(x=[1.0, 2.0])
-    _bad(x=torch.tensor(1.0, dtype=torch.bfloat16))  # 0-D
-    _bad(x=torch.randn(256, 4, dtype=torch.bfloat16).t())  # last dim not contiguous
-    _bad(group_size=96)
-    _bad(group_size=0)
-    _bad(group_size=128.0)
-    _bad(eps=0.0)
-    _bad(eps=-1.0)
-    _bad(eps="1e-10")
-    _bad(dtype=torch.float8_e5m2)
-    _bad(dtype=torch.bfloat16)
-    _bad(group_size=True)
-    _bad(eps=True)
-    _bad(x=torch.randn(2, 4, 256, dtype=torch.bfloat16), column_major_scales=True)
-    _bad(out_q=torch.empty(4, 256, dtype=torch.bfloat16))
-    _bad(out_q=torch.empty(4, 128, dtype=FP8_DTYPE))
-    _bad(out_q=torch.empty(256, 4, dtype=FP8_DTYPE).t())
-    _bad(out_q=torch.empty(4, 256, dtype=FP8_DTYPE, device="meta"))
-    _bad(out_q="buffer")
-    _bad(out_s=torch.empty(4, 2, dtype=torch.bfloat16))
-    _bad(out_s=torch.empty(4, 4))
+    x_dtype = "x must be a bfloat16/float16/float32 tensor, got "
+    power = "group_size must be a positive power of two \\(int\\), got "
+    _bad("K=200 is not a multiple of group_size=128", x=torch.randn(4, 200, dtype=torch.bfloat16))
+    _bad(x_dtype + "torch.float64", x=x.to(torch.float64))
+    _bad(x_dtype + "torch.int32", x=x.to(torch.int32))
+    _bad(x_dtype + "torch.float8_e4m3fn", x=x.to(FP8_DTYPE))
+    _bad(x_dtype + "<class 'list'>", x=[1.0, 2.0])
+    _bad(r"x must have at least one dimension", x=torch.tensor(1.0, dtype=torch.bfloat16))
+    _bad(r"last dimension must be contiguous \(stride 1\), got strides \(1, 4\)",
+         x=torch.randn(256, 4, dtype=torch.bfloat16).t())
+    _bad(power + "96", group_size=96)
+    _bad(power + "0", group_size=0)
+    _bad(power + "128.0", group_size=128.0)
+    _bad("eps must be > 0, got 0.0", eps=0.0)
+    _bad("eps must be > 0, got -1.0", eps=-1.0)
+    _bad("eps must be > 0, got '1e-10'", eps="1e-10")
+    _bad("dtype must be torch.float8_e4m3fn, got torch.float8_e5m2", dtype=torch.float8_e5m2)
+    _bad("dtype must be torch.float8_e4m3fn, got torch.bfloat16", dtype=torch.bfloat16)
+    _bad(power + "True", group_size=True)
+    _bad("eps must be > 0, got True", eps=True)
+    _bad(r"column_major_scales needs a 2-D x \[M, K\], got shape \(2, 4, 256\)",
+         x=torch.randn(2, 4, 256, dtype=torch.bfloat16), column_major_scales=True)
+    _bad("out_q must be a torch.float8_e4m3fn tensor, got torch.bfloat16",
+         out_q=torch.empty(4, 256, dtype=torch.bfloat16))
+    _bad(r"out_q must have x's shape \(4, 256\) on cpu, got \(4, 128\) on cpu",
+         out_q=torch.empty(4, 128, dtype=FP8_DTYPE))
+    _bad("out_q must be contiguous", out_q=torch.empty(256, 4, dtype=FP8_DTYPE).t())
+    _bad(r"out_q must have x's shape \(4, 256\) on cpu, got \(4, 256\) on meta",
+         out_q=torch.empty(4, 256, dtype=FP8_DTYPE, device="meta"))
+    _bad("out_q must be a torch.float8_e4m3fn tensor, got <class 'str'>", out_q="buffer")
+    _bad("out_s must be a torch.float32 tensor, got torch.bfloat16",
+         out_s=torch.empty(4, 2, dtype=torch.bfloat16))
+    _bad(r"out_s must have shape \(4, 2\) on cpu, got \(4, 4\) on cpu", out_s=torch.empty(4, 4))
 
 
 # ---------------------------------------------------------------- GPU (bit-exact, > 2**31)

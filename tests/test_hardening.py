@@ -162,7 +162,7 @@ def _offset_rank(rank, world, offsets):
 def test_wrong_offsets_on_two_gloo_ranks_raise_instead_of_wrong_results(offsets):
     """Before the fix: rel err 0.62-0.84 against the reference, nothing raised. Rank 1 is the
     mis-wired one; rank 0 (right) then fails in the all-to-all because rank 1 left it."""
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(RuntimeError, match="^rank 1 failed first:") as err:
         run_distributed(_offset_rank, 2, offsets)
     message = str(err.value)
     assert message.startswith("rank 1 failed first:"), message
@@ -282,9 +282,9 @@ def test_model_file_that_is_not_utf8_names_the_file(tmp_path):
 def test_missing_deep_gemm_and_deep_ep_raise_one_exception_type(monkeypatch):
     monkeypatch.setattr(deep_gemm_compat, "_API", None)
     monkeypatch.setattr(deep_ep_compat, "_import", lambda: None)
-    with pytest.raises(MissingLibraryError) as gemm:
+    with pytest.raises(MissingLibraryError, match="VLLM_USE_DEEP_GEMM") as gemm:
         deep_gemm_compat.require()
-    with pytest.raises(MissingLibraryError) as ep:
+    with pytest.raises(MissingLibraryError, match="VLLM_ALL2ALL_BACKEND") as ep:
         deep_ep_compat.require("deepep_low_latency")
     assert type(gemm.value) is type(ep.value) is MissingLibraryError
     assert isinstance(gemm.value, ImportError)  # what Python raises for a missing module

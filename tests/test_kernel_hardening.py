@@ -214,16 +214,20 @@ def _nan_at(t, index):
     return t
 
 
-# Calls the layer refuses, each as (changed arguments, environment, pretend a capture).
+# Calls the layer refuses, each as (changed arguments, environment, pretend a capture, the
+# refusal's message).
 REFUSED = {
     "malformed argument": (lambda p: dict(p, hidden_states=p["hidden_states"].float()), {},
-                           False),
+                           False, r"hidden_states must be bfloat16 \[M, K\], got torch.float32"),
     "expert id out of range": (lambda p: dict(p, topk_ids=p["topk_ids"].clone().fill_(99)), {},
-                               False),
-    "bad environment value": (lambda p: p, {"VLLM_FUSED_MOE_CHUNK_SIZE": "0"}, False),
+                               False, r"topk_ids must hold expert ids in \[-1, "),
+    "bad environment value": (lambda p: p, {"VLLM_FUSED_MOE_CHUNK_SIZE": "0"}, False,
+                              "VLLM_FUSED_MOE_CHUNK_SIZE='0'"),
     "non-finite input": (lambda p: dict(p, hidden_states=_nan_at(p["hidden_states"], (1, 2))),
-                         {"VLLM_MOE_CHECK_FINITE": "1"}, False),
-    "checked mode under capture": (lambda p: p, {"VLLM_MOE_CHECK_IDS": "1"}, True),
+                         {"VLLM_MOE_CHECK_FINITE": "1"}, False,
+                         r"hidden_states must be finite \(VLLM_MOE_CHECK_FINITE=1\)"),
+    "checked mode under capture": (lambda p: p, {"VLLM_MOE_CHECK_IDS": "1"}, True,
+                                   "VLLM_MOE_CHECK_IDS=1 reads the layer's inputs on the host"),
 }
 
 
@@ -233,14 +237,14 @@ def test_a_good_call_works_after_each_refused_call(kind, monkeypatch):
     shared = Workspaces()
     a, b = _kernel(shared), _kernel(shared)
     want = _run(a, p)
-    change, env, capture = REFUSED[kind]
+    change, env, capture, message = REFUSED[kind]
     with monkeypatch.context() as m:
         for name, value in env.items():
             m.setenv(name, value)
         if capture:
             m.setattr(torch.backends.cuda, "is_built", lambda: True)
             m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=message):
             _run(a, change(p))
     assert torch.equal(_run(a, p), want) and torch.equal(_run(b, p), want)
 

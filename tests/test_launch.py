@@ -37,7 +37,7 @@ def _fail_late_or_early(rank, world):
 
 
 def test_the_rank_that_failed_first_is_reported_last_line_first_error():
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(RuntimeError, match="^rank 2 failed first:") as err:
         run_distributed(_fail_late_or_early, 3)
     message = str(err.value)
     assert message.startswith("rank 2 failed first:\n")

@@ -98,13 +98,26 @@ def test_errors():
                   torch.rand(4, 2, device="meta"), [[1.0, 1.0]] * 4):
         with pytest.raises(ValueError, match="topk_weights"):
             moe_sum(x, topk_weights=bad_w)
-    for bad in (x.double(), x.to(torch.int32), x[0], x.unsqueeze(0), x[:, :0], "x"):
-        with pytest.raises(ValueError):
+    x_dtype = "x must be a bfloat16/float16/float32 tensor, got "
+    x_shape = r"x must be \[M, topk, K\] with topk >= 1, got shape "
+    for bad, match in ((x.double(), x_dtype + "torch.float64"),
+                       (x.to(torch.int32), x_dtype + "torch.int32"),
+                       (x[0], x_shape + r"\(2, 64\)"),
+                       (x.unsqueeze(0), x_shape + r"\(1, 4, 2, 64\)"),
+                       (x[:, :0], x_shape + r"\(4, 0, 64\)"), ("x", x_dtype + "<class 'str'>")):
+        with pytest.raises(ValueError, match=match):
             moe_sum(bad)
-    for bad_out in (torch.empty(4, 64), torch.empty(4, 63, dtype=torch.bfloat16),
-                    torch.empty(4, 2, 64, dtype=torch.bfloat16),
-                    torch.empty(4, 64, dtype=torch.bfloat16, device="meta"), 3):
-        with pytest.raises(ValueError):
+    out_dtype = "out must be a torch.bfloat16 tensor, got "
+    out_shape = r"out must be \[4, 64\] on cpu, got "
+    for bad_out, match in ((torch.empty(4, 64), out_dtype + "torch.float32"),
+                           (torch.empty(4, 63, dtype=torch.bfloat16),
+                            out_shape + r"\(4, 63\) on cpu"),
+                           (torch.empty(4, 2, 64, dtype=torch.bfloat16),
+                            out_shape + r"\(4, 2, 64\) on cpu"),
+                           (torch.empty(4, 64, dtype=torch.bfloat16, device="meta"),
+                            out_shape + r"\(4, 64\) on meta"),
+                           (3, out_dtype + "3")):
+        with pytest.raises(ValueError, match=match):
             moe_sum(x, out=bad_out)
 
 
