@@ -63,8 +63,8 @@ def test_check_without_torch_says_what_is_missing():
         assert word in res.stdout
 
 
-@pytest.mark.parametrize("argv", [["demo"], ["bench"]])
-def test_demo_and_bench_without_torch_are_usage_errors(argv):
+@pytest.mark.parametrize("argv", [["demo"], ["bench"], ["tiny-checkpoint", "/nonexistent/tiny"]])
+def test_demo_bench_and_tiny_checkpoint_without_torch_are_usage_errors(argv):
     res = _without_torch(*argv)
     assert "Traceback" not in res.stderr, res.stderr
     assert res.returncode == 2, res.stdout + res.stderr

@@ -12,9 +12,10 @@ Also ``python -m vllm_moe_fixes``. Exit status: 0 success, 1 a failed demo (a wr
 error while running the layer on any rank) or benchmark, 2 a bad argument or environment value, or a
 backend the environment asks for that cannot run (found before anything runs), 141 the reader of
 the output went away (``plan ... | head``): what a shell reports for a command SIGPIPE ended,
-without a traceback. Integer arguments are decimal digits only, as environment values are.
-Heavy imports (torch, Triton, the kernels) happen inside the subcommand that needs them: without
-torch, plan runs, check reports it missing (status 2) and demo and bench refuse (status 2).
+without a traceback; serve, once vLLM runs, ends with vLLM's own status. Integer arguments are
+decimal digits only, as environment values are. Heavy imports (torch, Triton, the kernels, vLLM)
+happen inside the subcommand that needs them: without torch, plan runs, check reports it missing
+(status 2) and demo, bench and tiny-checkpoint refuse (status 2).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ EXIT_BROKEN_PIPE = 141
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-moe-fixes", description=(
-        "Check the install, plan a DP/EP configuration, run one MoE layer, benchmark."))
+        "Check the install, plan a DP/EP configuration, run one MoE layer, benchmark, serve a "
+        "model with vLLM and the plugin, write a tiny checkpoint to try it on."))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         command.add_arguments(sub.add_parser(name, help=command.HELP))
