@@ -1,5 +1,5 @@
 """The contiguous experts take what a rank received in passes of at most VLLM_FUSED_MOE_CHUNK_SIZE
-tokens, so a rank's MoE memory is bounded whatever the routing (issue 21).
+tokens, so a rank's MoE memory is bounded whatever the routing.
 
 With all-zero dummy ids every token of an expert-parallel group routes to the same k experts, so
 one rank receives every token. These tests route that way (each token's ids are 0..k-1, what
@@ -138,7 +138,7 @@ def test_declared_shapes_are_one_pass_plus_the_output():
     one = contiguous_workspace_shapes(T, I, K, k, E_l)
     m_sum = contiguous_num_rows(T * k, E_l)
     scratch = max(K // 2 + K // 64, I // 2 + I // 64)
-    for M in (T + 1, 4 * T, 262144):  # 262144: DeepSeek-R1 at DP=32 with zero ids (issue 21)
+    for M in (T + 1, 4 * T, 262144):  # 262144: DeepSeek-R1 at DP=32 with zero ids
         ws13, ws2, out = contiguous_workspace_shapes(M, I, K, k, E_l, T)
         assert ws2 == one[1] == (m_sum, max(2 * I, K) + LAYOUT_INDEX_COLUMNS) and out == (M, K)
         assert ws13[0] == m_sum

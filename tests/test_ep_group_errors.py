@@ -1,4 +1,4 @@
-"""A bad input on one rank is a named error on every rank within seconds, never a hang (issue 29).
+"""A bad input on one rank is a named error on every rank within seconds, never a hang.
 
 Each case runs an expert-parallel layer on gloo ranks (2 and 4) in a process group of its own,
 under a hard timeout: a case that has not answered within CASE_TIMEOUT_S is killed (the whole

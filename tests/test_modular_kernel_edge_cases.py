@@ -1,4 +1,4 @@
-"""The modular kernel against callers and ranks that get something wrong (issue 23): ranks with
+"""The modular kernel against callers and ranks that get something wrong: ranks with
 different chunk sizes, a huge max_tokens_across_ranks on one rank, inputs that require grad or
 come from inference mode, refused calls, non-finite inputs; and batch invariance (a token's
 output does not depend on how the call was chunked).

@@ -1,4 +1,4 @@
-"""`plan` with the contiguous experts' bound (issue 21): zero vs random ids with and without it,
+"""`plan` with the contiguous experts' bound: zero vs random ids with and without it,
 flags only for what can happen in the configuration, information that is not a failure, aligned
 columns, and bounded model fields."""
 

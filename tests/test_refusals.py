@@ -1,6 +1,7 @@
-"""Issue 23's library items: a mis-wired rank, a non-finite routing bias, environment values read
-on every path, arguments of the wrong type, and one exception type for a missing optional
-library. Each test fails without its fix (the issue says what was seen before it)."""
+"""What the library refuses, with an error naming the cause: a mis-wired rank (an expert offset
+or expert map that is not its own), a non-finite routing bias, bad environment values on every
+path that reads them, arguments of the wrong type, and one exception type for a missing optional
+library."""
 
 import os
 import re

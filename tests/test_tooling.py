@@ -1,6 +1,6 @@
-"""Issue 23's tooling items: the CLI without torch, demo messages that say where a number came
-from and what ran, benchmarks that refuse a CPU clearly, device_run.sh failing when nothing was
-tested, and the README's set-up. Each test fails without its fix."""
+"""The tooling around the library: the CLI without torch, demo messages that say where a number
+came from and what ran, benchmarks that refuse a CPU clearly, device_run.sh failing when nothing
+was tested, and the README's set-up."""
 
 import os
 import re
