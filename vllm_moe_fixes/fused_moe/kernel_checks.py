@@ -125,20 +125,6 @@ def _scale_error(name: str, scale: torch.Tensor, want: tuple[int, int, int]) -> 
                       f"{scale.dtype} {_shape(scale)}")
 
 
-def check_topk(topk_weights: torch.Tensor, topk_ids: torch.Tensor, M: int) -> int:
-    """topk_ids int32/int64 [M, k] with k >= 1, topk_weights float32 [M, k]; returns k."""
-    if not (topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype in _ID_DTYPES):
-        raise ValueError(f"topk_ids must be int32 or int64 [M={M}, k], got {topk_ids.dtype} "
-                         f"{_shape(topk_ids)}")
-    topk = topk_ids.shape[1]
-    if topk < 1:
-        raise ValueError("topk_ids must have k >= 1 columns")
-    if not (topk_weights.dtype == torch.float32 and topk_weights.shape == (M, topk)):
-        raise ValueError(f"topk_weights must be float32 {(M, topk)}, got {topk_weights.dtype} "
-                         f"{_shape(topk_weights)}")
-    return topk
-
-
 def _finite(t: torch.Tensor) -> torch.Tensor:
     """Bool mask of t's finite entries. float8_e4m3fn has no inf and NaN is its one pattern with
     all exponent and mantissa bits set (0x7F / 0xFF); torch.isfinite does not take FP8."""
