@@ -21,10 +21,11 @@ step (the placement never sees the traffic it is judged on).
 
 Per row: max/mean rank load (a logical expert's token-slots split evenly over its replicas, as
 ``ExpertPlacement.route`` spreads them) and the expected MoE layer time: the busiest rank's time
-from our measured per-rank layer time as a function of the tokens it receives
-(``LAYER_TIME``: benchmarks/results/experts.json, DeepGemmExperts on the H200, 8 local experts,
-K 7168, I 2048, top-8, at 128 / 1024 / 8192 tokens, piecewise linear and extrapolated along the
-last segment), at ``TOKENS_PER_RANK`` tokens per rank. The ``shift`` rows also give the slots
+from our measured per-rank layer time as a function of the token-slots it receives
+(``layer_time_points``: bench_eplb_layer's sweep where benchmarks/results/eplb_layer.json exists,
+else experts.json's DeepGemmExperts rows on the H200, K 7168, I 2048, top-8, at 128 / 1024 /
+8192 tokens; piecewise linear, extrapolated along the last segment), at ``TOKENS_PER_RANK``
+tokens per rank (the mean rank receives TOKENS_PER_RANK x 8 slots). The ``shift`` rows also give the slots
 each planner rewrites per rebalance (ours keeps slots of the previous placement where it costs
 no max load; the baseline plans from scratch). Writes benchmarks/results/eplb_sim.json and, with
 matplotlib, eplb_sim.png.
@@ -52,23 +53,31 @@ WINDOW, REBALANCE_EVERY = 8, 4
 SWAPS_PER_STEP = 16
 TOKENS_PER_RANK = 4096
 RESULTS = Path(__file__).resolve().parent / "results"
-# Per-rank layer time (us) against tokens received: DeepGemmExperts rows of experts.json.
-LAYER_TIME_SOURCE = "benchmarks/results/experts.json (backend deep_gemm, 'us')"
 
 
-def layer_time_points() -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [n], us [n]) of our measured layer, ascending."""
-    rows = json.loads((RESULTS / "experts.json").read_text())["results"]
-    points = sorted((r["M"], r["us"]) for r in rows if r["backend"] == "deep_gemm")
-    return np.array([p[0] for p in points], float), np.array([p[1] for p in points], float)
+def layer_time_points() -> tuple[np.ndarray, np.ndarray, str]:
+    """(token-slots received [n], us [n], source) of our measured per-rank layer, ascending:
+    bench_eplb_layer's tokens-per-rank sweep (eplb_layer.json, ``layer_time``) where it has
+    been run, else experts.json's DeepGemmExperts rows (M tokens, all top-8 slots local)."""
+    sweep = RESULTS / "eplb_layer.json"
+    if sweep.exists():
+        points = sorted((r["recv_slots"], r["us"])
+                        for r in json.loads(sweep.read_text())["layer_time"])
+        source = "benchmarks/results/eplb_layer.json (layer_time: us against recv_slots)"
+    else:
+        rows = json.loads((RESULTS / "experts.json").read_text())["results"]
+        points = sorted((TOPK * r["M"], r["us"]) for r in rows if r["backend"] == "deep_gemm")
+        source = "benchmarks/results/experts.json (backend deep_gemm: us against M x top-8)"
+    return (np.array([p[0] for p in points], float), np.array([p[1] for p in points], float),
+            source)
 
 
-def layer_us(tokens: float, points: tuple[np.ndarray, np.ndarray]) -> float:
-    """Piecewise-linear layer time at ``tokens`` received, extended along the end segments."""
+def layer_us(slots: float, points: tuple[np.ndarray, np.ndarray]) -> float:
+    """Piecewise-linear layer time at ``slots`` received, extended along the end segments."""
     x, y = points
-    if tokens > x[-1]:
-        return float(y[-1] + (tokens - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2]))
-    return float(np.interp(tokens, x, y))
+    if slots > x[-1]:
+        return float(y[-1] + (slots - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2]))
+    return float(np.interp(slots, x, y))
 
 
 def _route(logits: torch.Tensor) -> np.ndarray:
@@ -158,7 +167,7 @@ def run_shift(steps: list[np.ndarray], ep: int, redundant: int) -> dict:
 def rows(tokens: int, steps: int, seed: int, *, eps=EPS, scenarios=SCENARIOS) -> list[dict]:
     """One dict per (scenario, EP, R): planned and measured max/mean per planner, layer_us (at
     the measured ratio) and, for shift, moves_per_rebalance."""
-    points = layer_time_points()
+    *points, _ = layer_time_points()
     out = []
     for scenario in scenarios:
         traffic = scenario_steps(scenario, tokens=tokens,
@@ -170,7 +179,7 @@ def rows(tokens: int, steps: int, seed: int, *, eps=EPS, scenarios=SCENARIOS) ->
                 run = run_shift if scenario == "shift" else run_stationary
                 row = {"scenario": scenario, "ep": ep, "redundant": redundant,
                        **run(traffic, ep, redundant)}
-                row["layer_us"] = {name: layer_us(TOKENS_PER_RANK * ratio, points)
+                row["layer_us"] = {name: layer_us(TOKENS_PER_RANK * TOPK * ratio, points)
                                    for name, ratio in row["measured"].items()}
                 out.append(row)
     return out
@@ -228,8 +237,8 @@ def main(argv=None) -> int:
     table = rows(args.tokens, args.steps, args.seed)
     _print(table)
     elapsed = time.perf_counter() - start
-    print(f"({elapsed:.1f} s; layer time from {LAYER_TIME_SOURCE} at {TOKENS_PER_RANK} "
-          f"tokens per rank)")
+    source = layer_time_points()[2]
+    print(f"({elapsed:.1f} s; layer time from {source} at {TOKENS_PER_RANK} tokens per rank)")
     if not args.quick:
         from benchmarks._common import write_json
 
@@ -239,7 +248,7 @@ def main(argv=None) -> int:
                        "tokens_per_step": args.tokens, "steps_shift": args.steps,
                        "window": WINDOW, "rebalance_every": REBALANCE_EVERY, "seed": args.seed,
                        "tokens_per_rank_for_time": TOKENS_PER_RANK,
-                       "layer_time_source": LAYER_TIME_SOURCE},
+                       "layer_time_source": source},
             "rows": table, "elapsed_s": elapsed})
         _plot(table, path.with_suffix(".png"))
     return 0

@@ -91,8 +91,9 @@ def _brute_force(w, num_physical, world_size):
 
 
 def test_ours_against_the_brute_force_optimum_on_tiny_cases():
-    """Ours reaches the optimum in most tiny cases and is within 4/3 of it in all (LPT-type
-    packing); measured: 38 of 60 optimal, worst 1.15x on these seeds."""
+    """Ours reaches the optimum in half the tiny cases and is within 4/3 of it in all (LPT-type
+    packing; fewer replicas are taken only where they save 1% of the mean, SEARCH_MARGIN):
+    measured 12 of 24 optimal, worst 1.19x on these seeds."""
     rng = np.random.default_rng(1)
     ratios = []
     for num_logical, world_size, num_physical in [(4, 2, 6), (3, 3, 6), (5, 2, 6), (2, 2, 4)]:

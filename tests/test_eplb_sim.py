@@ -28,6 +28,8 @@ def test_small_run_rows_and_targets():
 
 
 def test_layer_time_interpolates_and_extends():
+    slots, us, source = sim.layer_time_points()
+    assert slots.size >= 2 and (np.diff(slots) > 0).all() and (us > 0).all() and source
     x, y = np.array([128.0, 1024.0, 8192.0]), np.array([100.0, 500.0, 4000.0])
     assert sim.layer_us(128, (x, y)) == 100.0
     assert sim.layer_us(576, (x, y)) == pytest.approx(300.0)
