@@ -4,19 +4,11 @@ GPU checks (bit-exact against the unfused CUDA ops; past 2**31 elements)."""
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from vllm_moe_fixes.ops.activation import silu_and_mul, silu_and_mul_triton
-from vllm_moe_fixes.ops.triton_utils import INTERPRETING
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE
-from vllm_moe_fixes.ops.fp8_quant import (
-    per_token_group_quant_fp8,
-    per_token_group_quant_fp8_ref,
-    per_token_group_quant_fp8_triton,
-)
+from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, per_token_group_quant_fp8_triton
 from vllm_moe_fixes.ops.silu_mul_quant import (
-    _quantize_groups,
     silu_and_mul_quant_fp8,
     silu_and_mul_quant_fp8_ref,
     silu_and_mul_quant_fp8_triton,
@@ -107,50 +99,6 @@ def test_reference_is_the_composition():
     """The CPU reference equals the two public ops composed (what the fusion must preserve)."""
     x = _make_x((9, 512), seed=3)
     _assert_same(*silu_and_mul_quant_fp8_ref(x, False), *_composed(x))
-
-
-# ---------------------------------------------------------------- the quant by reciprocal
-
-@triton.jit
-def _quantize_groups_kernel(y_ptr, q_ptr, s_ptr, GROUPS: tl.constexpr, UE8M0: tl.constexpr,
-                            INTERPRETED: tl.constexpr):
-    rows = tl.arange(0, GROUPS)
-    offs = rows[:, None] * 128 + tl.arange(0, 128)[None, :]
-    q, s = _quantize_groups(tl.load(y_ptr + offs), 1e-10, UE8M0, INTERPRETED)
-    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty))
-    tl.store(s_ptr + rows, s)
-
-
-def _values_at_e4m3_midpoints(groups, seed):
-    """float32 [groups, 128] whose quotients by their group's scale fall within an ulp or two of
-    float8_e4m3fn rounding midpoints (where one more rounding picks the other side), with
-    zeros, subnormal-range midpoints, an inf group and NaNs among them."""
-    g = torch.Generator().manual_seed(seed)
-    grid = torch.arange(0, 256, dtype=torch.uint8).view(FP8_DTYPE).float()
-    grid = grid[grid.isfinite() & (grid >= 0)].unique()
-    mids = (grid[1:] + grid[:-1]) / 2  # exact in float32
-    scale = (torch.rand(groups, 1, generator=g) * 10 + 1e-3) * 448
-    scale = (scale.float() / torch.full_like(scale, 448.0)).float()
-    picks = mids[torch.randint(0, mids.numel(), (groups, 128), generator=g)]
-    sign = torch.randint(0, 2, (groups, 128), generator=g).float() * 2 - 1
-    y = (picks * sign * scale).float()
-    y[:, 0] = 448 * scale[:, 0]  # the group's max |y|: its scale is (about) `scale`
-    y[0, 5:9] = torch.tensor([0.0, -0.0, 1e-40, -3e-39])
-    y[1, 3] = float("nan")
-    y[2, 7] = float("inf")
-    return y
-
-
-@pytest.mark.parametrize("use_ue8m0", [False, True])
-def test_quant_by_reciprocal_at_midpoints(use_ue8m0, kernel_device):
-    """Quotients near every rounding midpoint: the bits of the recipe's division."""
-    y = _values_at_e4m3_midpoints(16, seed=int(use_ue8m0))
-    q = torch.empty(16, 128, dtype=FP8_DTYPE, device=kernel_device)
-    s = torch.empty(16, device=kernel_device)
-    _quantize_groups_kernel[(1,)](y.to(kernel_device), q, s, 16, use_ue8m0,
-                                  INTERPRETING or kernel_device == "cpu")
-    want_q, want_s = per_token_group_quant_fp8_ref(y, 128, 1e-10, use_ue8m0)
-    _assert_same(q, s.view(16, 1), want_q, want_s)
 
 
 # ---------------------------------------------------------------- contiguous layout, psum ends

@@ -77,8 +77,12 @@ QUANT_EPS = 1e-10  # default floor on a group's max |x| (vLLM's)
 # ---------------------------------------------------------------- device helpers
 
 @triton.jit
-def group_scales(x, eps, UE8M0: tl.constexpr):
-    """float32 [G]: the scale of each row of float32 x [G, GROUP] by vLLM's recipe (above)."""
+def quantize_groups(x, eps, UE8M0: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """vLLM's per-group FP8 recipe on float32 x [G, GROUP] (one group per row).
+
+    Returns (q float32 [G, GROUP]: values in [-448, 448] ready for the float8_e4m3fn cast, on the
+    e4m3 grid already when ROUND_IN_FP32; scale float32 [G]). The steps are the recipe above.
+    """
     # tl.max and tl.maximum return the non-NaN operand: NaN elements take no part in the max.
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
     scale = tl.math.div_rn(amax, tl.zeros_like(amax) + _FP8_MAX)
@@ -86,17 +90,6 @@ def group_scales(x, eps, UE8M0: tl.constexpr):
         scale = tl.maximum(scale, _UE8M0_FLOOR)
         scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32,
                                                                                  bitcast=True)
-    return scale
-
-
-@triton.jit
-def quantize_groups(x, eps, UE8M0: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """vLLM's per-group FP8 recipe on float32 x [G, GROUP] (one group per row).
-
-    Returns (q float32 [G, GROUP]: values in [-448, 448] ready for the float8_e4m3fn cast, on the
-    e4m3 grid already when ROUND_IN_FP32; scale float32 [G]). The steps are the recipe above.
-    """
-    scale = group_scales(x, eps, UE8M0)
     q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)  # a NaN quotient becomes -448
     if ROUND_IN_FP32:

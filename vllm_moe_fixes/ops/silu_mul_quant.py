@@ -30,13 +30,9 @@ import triton.language as tl
 
 from vllm_moe_fixes._validate import check_bool
 from vllm_moe_fixes.ops.activation import silu_and_mul_ref, silu_and_mul_values
-from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, FP8_MAX, SCALE_BLOCK, empty_mn_major_scales
-from vllm_moe_fixes.ops.fp8_quant import (
-    QUANT_EPS,
-    group_scales,
-    per_token_group_quant_fp8_ref,
-)
-from vllm_moe_fixes.ops.triton_utils import INTERPRETING, KernelLauncher, round_to_e4m3_grid
+from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK, empty_mn_major_scales
+from vllm_moe_fixes.ops.fp8_quant import QUANT_EPS, per_token_group_quant_fp8_ref, quantize_groups
+from vllm_moe_fixes.ops.triton_utils import INTERPRETING, KernelLauncher
 from vllm_moe_fixes.sizes import ROW_ALIGNMENT, align_up, cdiv
 
 _SUPPORTED_X = (torch.bfloat16, torch.float16, torch.float32)
@@ -46,44 +42,8 @@ FUSED_BLOCK_M, FUSED_GROUPS_PER_PROG, FUSED_NUM_WARPS = 4, 4, 4
 # Row programs x group tiles x experts stays at or under this (each row program loops).
 FUSED_MAX_PROGRAMS = 8192
 
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_WINDOW = tl.constexpr(2.0 ** -20)  # relative half-width of _quantize_groups' check
-
 # Which rows of an expert the kernel processes (module docstring).
 ALL_ROWS, COUNTED_ROWS, PSUM_ROWS = 0, 1, 2
-
-
-@triton.jit
-def _e4m3(v, INTERPRETED: tl.constexpr):
-    """float32 v (|v| <= FP8_MAX + a little) as float8_e4m3fn bits, to compare (int32); in the
-    interpreter, whose float8 cast rounds wrongly, its value on the e4m3 grid in float32 bits."""
-    if INTERPRETED:
-        return round_to_e4m3_grid(v).to(tl.int32, bitcast=True)
-    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-
-
-@triton.jit
-def _quantize_groups(y, eps, UE8M0: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp8_quant.quantize_groups' values and scales (the same bits once cast to float8_e4m3fn),
-    with one division per group instead of one per value.
-
-    q = y * RN(1/scale) is within 2**-22 of y / scale relatively (two roundings of 2**-24), and
-    clamping to +-448 moves two values no further apart. The float8 cast is monotonic, so where
-    q -+ |q| * 2**-20 cast to the same float8 value, the correctly rounded quotient (inside that
-    window) casts to it too; zeros, infinities and NaNs land on both sides alike. Elsewhere (about
-    one value in 2**16, a few tiles in a hundred) the tile takes the division of quantize_groups.
-    """
-    scale = group_scales(y, eps, UE8M0)
-    inverse = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
-    q = tl.minimum(tl.maximum(y * inverse[:, None], -_FP8_MAX), _FP8_MAX)  # NaN becomes -448
-    window = tl.abs(q) * _WINDOW
-    sure = _e4m3(q - window, INTERPRETED) == _e4m3(q + window, INTERPRETED)
-    if tl.min(sure.to(tl.int32)) == 0:
-        exact = tl.math.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
-        q = tl.where(sure, q, tl.minimum(tl.maximum(exact, -_FP8_MAX), _FP8_MAX))
-    if INTERPRETED:
-        q = round_to_e4m3_grid(q)
-    return q, scale
 
 
 @triton.jit
@@ -106,7 +66,7 @@ def _silu_and_mul_quant_tile(x_ptr, q_ptr, s_ptr, row_start, num_rows, num_group
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
     up = tl.load(gate_ptrs + num_groups * SCALE_BLOCK, mask=mask, other=0.0)
     y = silu_and_mul_values(gate, up, x_ptr.dtype.element_ty, INTERPRETED)
-    q, scale = _quantize_groups(y.to(tl.float32), eps, UE8M0, INTERPRETED)
+    q, scale = quantize_groups(y.to(tl.float32), eps, UE8M0, INTERPRETED)
 
     q_ptrs = q_ptr + (rows * q_row_stride + groups * SCALE_BLOCK)[:, None] + cols[None, :]
     tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
