@@ -33,7 +33,6 @@ import torch
 
 from benchmarks import bench_experts as be
 from benchmarks._common import bench_us, graph_us, print_table, require_cuda, write_json
-from vllm_moe_fixes._compat import deep_gemm as dg
 from vllm_moe_fixes.fused_moe import contiguous_experts as ce
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize

@@ -45,8 +45,12 @@ expert's last row + 1, DeepGEMM's psum layout). DeepGEMM's SM90 kernel loads A, 
 for every 128-row block of M_sum it is given in the m_indices form, padding blocks included (it
 only skips their math); in the psum form its scheduler visits only the blocks that hold slots, so
 DeepGemmExperts passes expert_ends where the build takes use_psum_layout (as vLLM's own
-DeepGemmExperts does on SM90). Padding rows of H and Y may then hold anything (blocks past an
-expert's slots are not written); nothing reads them (the un-permute reads slots' rows only).
+DeepGemmExperts does on SM90). Padding rows of H, G' and Y may then hold anything (blocks past
+an expert's slots are not written, and the SiLU step skips padding rows through the same ends);
+nothing reads them (the un-permute reads slots' rows only). DeepGemmExperts also pass DeepGEMM
+the slots per expert (M*k / E_l) as its expected M: without it DeepGEMM sizes its tiles for one
+group of M_sum rows, padding included. DeepGEMM's PDL setting for the two GEMMs comes from one
+rule, deep_gemm_pdl.
 """
 
 from __future__ import annotations
