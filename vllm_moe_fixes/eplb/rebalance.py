@@ -153,7 +153,8 @@ def _pack(weights: np.ndarray, bins: int, start: np.ndarray | None = None) -> np
     cap = n // bins
     where = np.full(n, -1, dtype=np.int64) if start is None else start.copy()
     fill = np.bincount(where[where >= 0], minlength=bins)
-    total = np.bincount(where[where >= 0], weights[where >= 0], minlength=bins)
+    # float64 even when nothing is pinned (bincount of no items returns int64 zeros)
+    total = np.bincount(where[where >= 0], weights[where >= 0], minlength=bins).astype(np.float64)
     for i in np.argsort(-weights, kind="stable"):
         if where[i] >= 0:
             continue
