@@ -25,10 +25,10 @@ from our measured per-rank layer time as a function of the token-slots it receiv
 (``layer_time_points``: bench_eplb_layer's sweep where benchmarks/results/eplb_layer.json exists,
 else experts.json's DeepGemmExperts rows on the H200, K 7168, I 2048, top-8, at 128 / 1024 /
 8192 tokens; piecewise linear, extrapolated along the last segment), at ``TOKENS_PER_RANK``
-tokens per rank (the mean rank receives TOKENS_PER_RANK x 8 slots). The ``shift`` rows also give the slots
-each planner rewrites per rebalance (ours keeps slots of the previous placement where it costs
-no max load; the baseline plans from scratch). Writes benchmarks/results/eplb_sim.json and, with
-matplotlib, eplb_sim.png.
+tokens per rank (the mean rank receives TOKENS_PER_RANK x 8 slots). The ``shift`` rows also
+give the slots each planner rewrites per rebalance (ours keeps slots of the previous placement
+where it costs no max load; the baseline plans from scratch). Writes
+benchmarks/results/eplb_sim.json and, with matplotlib, eplb_sim.png.
 """
 
 from __future__ import annotations
