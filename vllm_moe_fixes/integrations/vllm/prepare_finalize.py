@@ -28,10 +28,18 @@ vLLM's conventions that differ from ours, translated here:
   cast keeps exact scales, as vLLM's own does (it rounds there only for experts that take packed
   UE8M0 scales, Blackwell's DeepGEMM, none of ours).
 
+Asynchronous prepare/finalize (vLLM's shared-expert overlap and dual-batch overlap, DBO): the
+dispatch adapters (high-throughput, low-latency, V2) answer ``supports_async()`` with True and
+return vLLM's ``(hook, receiver)`` pairs from ``prepare_async`` / ``finalize_async``: the hook
+waits for our receiver (the transfer), the receiver converts. Under DBO vLLM registers the hook
+and yields to the other micro-batch, so its work runs while the transfer is under way. Each
+prepare's dispatch handle is kept per micro-batch (vLLM's ``dbo_current_ubatch_id``) and handed
+to that micro-batch's finalize; the received counts are read when the dispatch returns. The
+one-rank adapter has nothing to transfer: ``supports_async()`` is False there, as before (vLLM
+then runs shared experts after the layer and asserts that micro-batching is off).
+
 Quantisation parameters come in ``quant_config``; a configuration other than block FP8 128x128 with
-dynamic 1x128 activations raises ValueError naming what differs. Not served, and refused by
-returning ``supports_async() == False`` (vLLM then runs shared experts after the layer and
-asserts that micro-batching is off): async prepare/finalize. EPLB routing tables are refused at
+dynamic 1x128 activations raises ValueError naming what differs. EPLB routing tables are refused at
 construction.
 """
 
@@ -42,6 +50,7 @@ import math
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
@@ -87,10 +96,78 @@ def _unreduced_view(fused_expert_output: torch.Tensor, topk_ids: torch.Tensor) -
     return fused_expert_output.view(m, k, fused_expert_output.shape[-1])
 
 
+def _finalized() -> None:
+    """The receiver of a finalize whose hook did the work."""
+
+
 class _VllmPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
-    """What every adapter checks of what vLLM hands ``prepare``."""
+    """What every adapter checks of what vLLM hands ``prepare``, and the one path of prepare and
+    finalize: vLLM's (hook, receiver) pairs over ours' prepare_async / finalize_async (module
+    docstring), the synchronous calls being the pairs run at once."""
 
     _checked_quant_config = None  # the last FusedMoEQuantConfig found block-FP8 128x128
+    ours = None  # our prepare/finalize
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._handles: dict = {}  # micro-batch -> its last dispatch handle, prepare to finalize
+
+    def supports_async(self) -> bool:
+        return self.ours.supports_async()
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input, quant_config, defer_input_quant=False):
+        """prepare_async's hook and receiver, at once (the tuple _converted documents)."""
+        hook, receiver = self.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                            apply_router_weight_on_input, quant_config,
+                                            defer_input_quant)
+        hook()
+        return receiver()
+
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                      apply_router_weight_on_input, quant_config, defer_input_quant=False):
+        """Start ours' dispatch; return (hook: waits for it, receiver: vLLM's prepare tuple)."""
+        self._check_prepare_inputs(a1, quant_config, defer_input_quant)
+        receive = self.ours.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                          apply_router_weight_on_input)
+        dispatched = self._dispatch_state()
+        ubatch, received = dbo_current_ubatch_id(), []
+
+        def hook() -> None:
+            if not received:
+                received.append(receive())
+                self._handles[ubatch] = received[0].handle
+
+        def receiver():
+            hook()
+            return self._converted(received[0], a1, topk_ids, num_experts, dispatched)
+
+        return hook, receiver
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input, weight_and_reduce_impl) -> None:
+        """finalize_async's hook and receiver, at once."""
+        hook, receiver = self.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
+                                             apply_router_weight_on_input, weight_and_reduce_impl)
+        hook()
+        receiver()
+
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input, weight_and_reduce_impl):
+        """Start ours' combine of this micro-batch (its prepare's handle); return (hook: waits
+        for it and writes output, receiver: nothing left)."""
+        fused_expert_output, reduced = self._finalize_input(fused_expert_output, topk_ids,
+                                                            weight_and_reduce_impl)
+        handle = self._handles.pop(dbo_current_ubatch_id(), None)
+        hook = self.ours.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
+                                        apply_router_weight_on_input, output_is_reduced=reduced,
+                                        handle=handle)
+        return hook, _finalized
+
+    def _dispatch_state(self):
+        """What the conversion needs of the dispatch, read as it returns (a later micro-batch's
+        dispatch may change it before this one's receiver runs); None by default."""
+        return None
 
     def _check_prepare_inputs(self, a1: torch.Tensor, quant_config,
                               defer_input_quant: bool) -> None:
@@ -136,16 +213,14 @@ class _StandardAdapter(_VllmPrepareAndFinalize):
     def num_dispatchers(self) -> int:
         return self.ours.num_dispatchers()
 
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input, weight_and_reduce_impl) -> None:
-        """output bf16 [M, K] (written); fused_expert_output [M', K] reduced (NoOP, possibly
-        ``output`` itself) or [M', k, K] / [M' * k, K] unreduced; topk_weights f32 / topk_ids
+    def _finalize_input(self, fused_expert_output, topk_ids, weight_and_reduce_impl):
+        """(ours' fused_expert_output, output_is_reduced) of vLLM's: [M', K] reduced (NoOP,
+        possibly the layer's output itself) or [M', k, K] / [M' * k, K] unreduced; topk_ids
         [M', k] as prepare returned them (else the router's)."""
         reduced = output_is_reduced(weight_and_reduce_impl)
         if not reduced:
             fused_expert_output = _unreduced_view(fused_expert_output, topk_ids)
-        self.ours.finalize(output, fused_expert_output, topk_weights, topk_ids,
-                           apply_router_weight_on_input, output_is_reduced=reduced)
+        return fused_expert_output, reduced
 
 
 class VllmNoEPPrepareAndFinalize(_StandardAdapter):
@@ -176,14 +251,10 @@ class VllmNoEPPrepareAndFinalize(_StandardAdapter):
     def output_is_reduced(self) -> bool:
         return False  # no all-reduce across ranks happened (vLLM's tensor parallel one follows)
 
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
-                apply_router_weight_on_input, quant_config, defer_input_quant=False):
+    def _converted(self, res, a1, topk_ids, num_experts, dispatched):
         """a1 bf16 [M, K] -> (a1q fp8 [M, K], a1q_scale f32 [M, K/128], None, None, None), or
         with defer_input_quant (post_init_setup) (a1 bf16 [M, K] (times the router weight with
         apply_router_weight_on_input), None, None, None, None)."""
-        self._check_prepare_inputs(a1, quant_config, defer_input_quant)
-        res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
-                                apply_router_weight_on_input)
         return res.a1q, res.a1q_scale, None, None, None
 
 
@@ -225,21 +296,21 @@ class _StandardDispatchAdapter(_StandardAdapter):
     def output_is_reduced(self) -> bool:
         return True
 
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
-                apply_router_weight_on_input, quant_config, defer_input_quant=False):
+    def _dispatch_state(self) -> list[int]:
+        """The received counts per local expert ([] where V2 ran without the CPU sync)."""
+        return list(self.ours.num_recv_tokens_per_expert)
+
+    def _converted(self, res, a1, topk_ids, num_experts, dispatched):
         """a1 bf16 [M, K] -> the M' tokens received: (a1q fp8 [M', K], a1q_scale f32
         [M', K/128], ExpertTokensMetadata (int32 [E_l] received per local expert, on the device
         and on the host; None where V2 dispatched without the CPU sync), topk_ids int64 [M', k]
         global ids in vLLM's convention (module docstring), topk_weights f32 [M', k] (0 where
         the expert is elsewhere))."""
-        self._check_prepare_inputs(a1, quant_config, defer_input_quant)
-        res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
-                                apply_router_weight_on_input)
         elsewhere = num_experts - 1 if self.ours.rank_expert_offset == 0 else 0
         ids = torch.where(res.topk_ids >= 0, res.topk_ids, elsewhere)
         meta = None
-        if self.ours.num_recv_tokens_per_expert:  # [] where V2 ran without the CPU sync
-            counts = torch.tensor(self.ours.num_recv_tokens_per_expert, dtype=torch.int32)
+        if dispatched:  # [] where V2 ran without the CPU sync
+            counts = torch.tensor(dispatched, dtype=torch.int32)
             meta = mk.ExpertTokensMetadata(expert_num_tokens=counts.to(res.a1q.device),
                                            expert_num_tokens_cpu=counts)
         received = res.a1q.shape[0]
@@ -355,28 +426,23 @@ class VllmDeepEPLLPrepareAndFinalize(_VllmPrepareAndFinalize):
     def output_is_reduced(self) -> bool:
         return True
 
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
-                apply_router_weight_on_input, quant_config, defer_input_quant=False):
+    def _converted(self, res, a1, topk_ids, num_experts, dispatched):
         """a1 bf16 [M, K] (M <= N) -> (a1q fp8 [E_l, R*N, K], a1q_scale f32 [E_l, R*N, K/128]
         MN-major per expert, ExpertTokensMetadata (int32 [E_l] valid rows, device only), None,
         None); rows past a count are undefined."""
-        self._check_prepare_inputs(a1, quant_config, defer_input_quant)
-        res = self.ours.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
-                                apply_router_weight_on_input)
         meta = mk.ExpertTokensMetadata(expert_num_tokens=res.expert_num_tokens,
                                        expert_num_tokens_cpu=None)
         return res.a1q, res.a1q_scale, meta, None, None
 
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input, weight_and_reduce_impl) -> None:
-        """fused_expert_output bf16 [E_l, R*N, K] -> combined, weighted and reduced into output
-        bf16 [M, K] (contiguous)."""
+    def _finalize_input(self, fused_expert_output, topk_ids, weight_and_reduce_impl):
+        """fused_expert_output bf16 [E_l, R*N, K], combined, weighted and reduced into output
+        bf16 [M, K] (contiguous) by the low-latency combine: vLLM's experts must leave that to
+        it (TopKWeightAndReduceDelegate)."""
         if not isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
             raise ValueError(f"weight_and_reduce_impl={type(weight_and_reduce_impl).__name__}: "
                              "the low-latency combine weights and reduces, so the batched "
                              "experts must return TopKWeightAndReduceDelegate")
-        self.ours.finalize(output, fused_expert_output, topk_weights, topk_ids,
-                           apply_router_weight_on_input)
+        return fused_expert_output, False
 
 
 # The plugin's name map: the prepare/finalize the library's factory picks -> its adapter.
