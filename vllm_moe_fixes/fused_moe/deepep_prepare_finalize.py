@@ -434,10 +434,13 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     Neither DeepEP's nor TorchAll2AllBuffer's low-latency calls read the device on the host, so a
     layer call can be captured in a CUDA graph: with one rank as it is; with several, as one pass
     (M <= min(VLLM_FUSED_MOE_CHUNK_SIZE, max_tokens_per_rank) on every rank) or, given
-    max_tokens_across_ranks, in its passes (num_chunks). DeepEP runs each dispatch and combine
-    as one kernel on its own stream, fenced by events; its hook mode (return_recv_hook, two
-    kernels on the caller's stream, as vLLM calls it) measured slower on an H200, on the host and
-    in a CUDA graph (benchmarks/bench_decode.py).
+    max_tokens_across_ranks, in its passes (num_chunks). prepare / finalize run each dispatch and
+    combine as one DeepEP kernel on its own stream, fenced by events; prepare_async /
+    finalize_async use its hook mode (return_recv_hook: a send kernel now, the receive kernel in
+    the receiver, both on the caller's stream, as vLLM calls it), which measured slower for a
+    call waited for at once on an H200, on the host and in a CUDA graph
+    (benchmarks/bench_decode.py), and which lets the experts of another micro-batch run between
+    the two kernels.
 
     Arguments:
         buffer: a low-latency ``deep_ep.Buffer`` or ``TorchAll2AllBuffer(low_latency_mode=True)``
