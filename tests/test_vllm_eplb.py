@@ -14,8 +14,10 @@ that stop it (each fails, and so flags the change, where a vLLM release lifts it
 3. ``vllm/v1/worker/cpu_model_runner.py`` (line 62, ``CPUModelRunner.load_model``) replaces
    ``GPUModelRunner.load_model`` without its EPLB part: no ``EplbState``, no ``add_model``.
 
-Our plugin hands a layer with EPLB on back to vLLM's own classes (``parallel_config_problem``),
-so on CUDA vLLM's EPLB keeps running as it does without the plugin. vLLM's planner
+Our classes serve vLLM's EPLB layers (``parallel_config_problem`` no longer refuses
+enable_eplb): vLLM hands the kernel an ordinary layer of E + R physical experts
+(test_vllm_eplb_layer.py runs one through our classes on CPU); elastic EP, which implies EPLB, stays
+with vLLM's classes. vLLM's planner
 (DefaultEplbPolicy, DeepSeek's hierarchical algorithm) runs anywhere: our baseline gives the
 same busiest rank and ours is at or below it. Skipped where vllm is not installed.
 """
@@ -65,14 +67,43 @@ def test_vllm_cpu_model_runner_builds_no_eplb_state():
     assert "EplbState" not in inspect.getsource(CPUModelRunner.load_model)
 
 
-def test_plugin_leaves_eplb_layers_to_vllm():
+def _eplb_parallel_config(backend, ranks):
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    return FusedMoEParallelConfig(
+        tp_size=1, pcp_size=1, dp_size=ranks, ep_size=ranks, tp_rank=0, pcp_rank=0, dp_rank=1,
+        ep_rank=1, sp_size=1, use_ep=ranks > 1, all2all_backend=backend, enable_eplb=True)
+
+
+@pytest.mark.parametrize("backend, ranks, batched", [
+    ("allgather_reducescatter", 1, False), ("deepep_high_throughput", 2, False),
+    ("deepep_low_latency", 2, True), ("deepep_v2", 2, False)])
+def test_plugin_serves_eplb_layers(backend, ranks, batched):
+    """EPLB on: each layout ours serve without it is served with it (vLLM hands the kernel
+    physical experts, placed linearly); the other layout of the same config is still refused,
+    for the layout's reason."""
     from vllm_moe_fixes.integrations.vllm.support import parallel_config_problem
 
-    class Config:
-        enable_eplb = True
+    cfg = _eplb_parallel_config(backend, ranks)
+    assert parallel_config_problem(cfg, batched=batched) is None
+    other = parallel_config_problem(cfg, batched=not batched)
+    assert other is not None and "EPLB" not in other
 
-    assert "EPLB is enabled" in parallel_config_problem(Config(), batched=False)
-    assert "EPLB is enabled" in parallel_config_problem(Config(), batched=True)
+
+def test_plugin_leaves_elastic_ep_to_vllm():
+    """Elastic EP (which vLLM runs with EPLB only) rebuilds the kernel around our experts with
+    vLLM's own prepare/finalize when it scales: left to vLLM, with the reason."""
+    from test_vllm_adapters import moe_config
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_moe_fixes.integrations.vllm.support import moe_config_problem
+
+    config = VllmConfig()
+    moe = moe_config(8, 2, parallel=_eplb_parallel_config("allgather_reducescatter", 1))
+    with set_current_vllm_config(config):
+        assert moe_config_problem(moe) is None
+        config.parallel_config.enable_elastic_ep = True
+        assert "elastic EP" in moe_config_problem(moe)
 
 
 def test_baseline_equals_vllms_default_policy_and_ours_is_at_or_below_it():

@@ -8,10 +8,17 @@ against the buffer vLLM built.
 
 Served: block-FP8 weights in 128x128 blocks with float32 scales, activations quantised per 1x128
 group at run time (no static input scales), SiLU-and-mul on a packed [gate; up] w13, bf16
-activations, hidden and intermediate sizes multiples of 128, no bias, LoRA, EPLB, micro-batching
-(DBO) or non-linear expert placement; prepare/finalize: one rank, or vLLM's DeepEP high-throughput /
-low-latency all-to-all, or, for data parallel + EP on CPU, this library's torch.distributed one
-(``data_parallel.py``).
+activations, hidden and intermediate sizes multiples of 128, no bias, LoRA, elastic EP,
+micro-batching (DBO) or non-linear expert placement; prepare/finalize: one rank, or vLLM's DeepEP
+high-throughput / low-latency all-to-all, or, for data parallel + EP on CPU, this library's
+torch.distributed one (``data_parallel.py``).
+
+vLLM's EPLB (``--enable-eplb``) is served as vLLM hands it to the kernel: its router maps each
+logical id to a physical one (a replica) and records the load before the kernel is called, so
+the layer is an ordinary one of E + R physical experts placed linearly (physical expert p on rank
+p // E_l), with num_experts, the expert_map, global_num_experts and the DeepEP buffers all in
+physical ids; its rebalance copies new weights into the layer's parameters in place, which the
+kernel is handed on every call. Not served with it: elastic EP (``moe_config_problem``).
 """
 
 from __future__ import annotations
@@ -79,8 +86,6 @@ def quant_config_problem(quant_config: FusedMoEQuantConfig | None) -> str | None
 def parallel_config_problem(cfg: FusedMoEParallelConfig, batched: bool) -> str | None:
     """Why the experts of one layout (batched: DeepEP low-latency; else one rank or DeepEP
     high-throughput) do not serve ``cfg``, or None."""
-    if cfg.enable_eplb:
-        return "EPLB is enabled (its routing tables are not served yet)"
     if batched:
         return None if cfg.use_deepep_ll_kernels else (
             "the batched experts pair with vLLM's deepep_low_latency all-to-all only")
@@ -146,6 +151,9 @@ def moe_config_problem(moe: FusedMoEConfig) -> str | None:
     parallel = vllm_config.parallel_config
     if getattr(parallel, "use_ubatching", getattr(parallel, "enable_dbo", False)):
         return "micro-batching (DBO) needs async prepare/finalize, not served yet"
+    if getattr(parallel, "enable_elastic_ep", False):
+        return ("elastic EP: its scaling rebuilds the kernel with vLLM's own prepare/finalize "
+                "around these experts (eep_reconfigure), a pairing not served")
     placement = getattr(parallel, "expert_placement_strategy", "linear")
     if placement != "linear":
         return f"expert_placement_strategy={placement!r} (ours place expert g on rank g // E_l)"
@@ -153,13 +161,13 @@ def moe_config_problem(moe: FusedMoEConfig) -> str | None:
 
 
 def check_no_routing_tables(tables) -> None:
-    """ValueError unless every one of vLLM's routing tables (EPLB or round-robin placement:
-    global_to_physical, physical_to_global, local_expert_global_ids) is None: ours place expert
-    g on rank g // E_l."""
+    """ValueError unless every one of vLLM's routing tables (global_to_physical,
+    physical_to_global, local_expert_global_ids, which vLLM builds for round-robin placement
+    only, EPLB or not) is None: ours place expert g on rank g // E_l."""
     if tables is not None and any(t is not None for t in tables):
-        raise ValueError("vllm_moe_fixes prepare/finalize: routing tables (EPLB or round-robin "
-                         "placement) are not served yet; experts must sit linearly (expert g "
-                         "on rank g // E_l)")
+        raise ValueError("vllm_moe_fixes prepare/finalize: routing tables (round-robin "
+                         "placement) are not served; experts must sit linearly (expert g on "
+                         "rank g // E_l)")
 
 
 def check_deepep_buffer(buffer, *, low_latency: bool, num_ranks: int, hidden: int,
