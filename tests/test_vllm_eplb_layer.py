@@ -39,7 +39,7 @@ def _map_to_replicas(topk_ids, expert_load_view, logical_to_physical_map, logica
     ``expert_load_view[physical]``."""
     valid = (topk_ids >= 0) & (topk_ids < logical_replica_count.shape[0])
     logical = torch.where(valid, topk_ids, 0).long()
-    token = torch.arange(topk_ids.shape[0], dtype=torch.int64)[:, None]
+    token = torch.arange(topk_ids.shape[0], dtype=torch.int64, device=topk_ids.device)[:, None]
     replica = ((token * KNUTH) & 0xFFFFFFFF) % logical_replica_count[logical].clamp(min=1)
     physical = torch.where(valid, logical_to_physical_map[logical, replica], -1)
     counted = valid & (physical >= 0) & bool(record_enabled)
@@ -52,48 +52,57 @@ def _map_to_replicas(topk_ids, expert_load_view, logical_to_physical_map, logica
 
 def _vllm_placement(load):
     """vLLM's DefaultEplbPolicy on ``load`` f32 [E] (2 ranks, 4 groups on 2 nodes): physical ->
-    logical int64 [E + R], and vLLM's logical -> physical [E, max replicas] and replica counts
-    [E] from it."""
+    logical int64 [E + R], and from it vLLM's logical -> physical [E, R + 1] (the width vLLM's
+    EplbState allocates, -1 past an expert's replicas) and replica counts [E]."""
     from vllm.distributed.eplb.eplb_state import compute_logical_maps
     from vllm.distributed.eplb.policy import DefaultEplbPolicy
 
     p2l = DefaultEplbPolicy.rebalance_experts(load[None], E + R, 4, 2, 2)[0].long()
     l2p, count = compute_logical_maps(p2l, E)
-    return p2l, l2p, count
+    padded = torch.full((E, R + 1), -1, dtype=l2p.dtype)
+    padded[:, :l2p.shape[1]] = l2p
+    return p2l, padded, count
 
 
-def _replicated_and_plain(rank, world_size, M):
+def _replicated_and_plain(rank, world_size, M, device="cpu"):
     """vLLM's layer with EPLB (E + R physical experts) and without (E), both through the plugin,
-    on the same tokens and logical weights; a rebalance between two forwards of the first."""
+    on the same tokens and logical weights; a rebalance between two forwards of the first. On
+    ``device`` (world size 1: gloo on the CPU, NCCL on a GPU, where vLLM's own Triton kernel
+    maps the ids)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
     from vllm.model_executor.layers.fused_moe.router import base_router
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.platforms import current_platform
 
+    from test_vllm_adapters import init_workspace_manager
     from vllm_moe_fixes.integrations.vllm import plugin
     from vllm_moe_fixes.testing import random_fp8_moe_weights
 
-    base_router.eplb_map_to_physical_and_record = _map_to_replicas  # this forked rank only
+    if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
+        base_router.eplb_map_to_physical_and_record = _map_to_replicas  # this rank's process
     os.environ["VLLM_MOE_FIXES"] = "1"
     plugin.register()
     config = VllmConfig()
     config.parallel_config.enable_eplb = True  # ParallelConfig refuses it off CUDA when built
     with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                                    backend="gloo")
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo" if device == "cpu" else "nccl")
         parallel_state.initialize_model_parallel(1, 1)
+        init_workspace_manager()  # vLLM's kernel takes its workspaces from it off the CPU
         quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
                           weight_block_size=[128, 128])
-        replicated = FusedMoEFactory(num_experts=E, top_k=TOPK, hidden_size=K,
-                                     intermediate_size=I, params_dtype=torch.bfloat16,
-                                     quant_config=quant, prefix="layers.0.mlp.experts",
-                                     enable_eplb=True, num_redundant_experts=R)
-        config.parallel_config.enable_eplb = False
-        plain = FusedMoEFactory(num_experts=E, top_k=TOPK, hidden_size=K, intermediate_size=I,
-                                params_dtype=torch.bfloat16, quant_config=quant,
-                                prefix="layers.1.mlp.experts")
+        with torch.device(device):
+            replicated = FusedMoEFactory(num_experts=E, top_k=TOPK, hidden_size=K,
+                                         intermediate_size=I, params_dtype=torch.bfloat16,
+                                         quant_config=quant, prefix="layers.0.mlp.experts",
+                                         enable_eplb=True, num_redundant_experts=R)
+            config.parallel_config.enable_eplb = False
+            plain = FusedMoEFactory(num_experts=E, top_k=TOPK, hidden_size=K,
+                                    intermediate_size=I, params_dtype=torch.bfloat16,
+                                    quant_config=quant, prefix="layers.1.mlp.experts")
         g = torch.Generator().manual_seed(5)
         logical = random_fp8_moe_weights(E, K, I, generator=g)
         load = torch.rand(E, generator=g) + torch.tensor([6.0, 0, 0, 3.0, 0, 0, 0, 0])
@@ -102,19 +111,21 @@ def _replicated_and_plain(rank, world_size, M):
         _load(replicated.routed_experts, logical, p2l)
         for layer in (plain, replicated):
             layer.routed_experts.quant_method.process_weights_after_loading(layer.routed_experts)
-        expert_load = torch.zeros(E + R, dtype=torch.int64)
-        replicated.set_eplb_state(0, expert_load[None], l2p[None].clone(), count[None].clone())
+        expert_load = torch.zeros(E + R, dtype=torch.int64, device=device)
+        replicated.set_eplb_state(0, expert_load[None], l2p[None].to(device),
+                                  count[None].to(device))
         state = replicated.eplb_state
-        state.should_record_tensor = torch.ones((), dtype=torch.bool)
-        state.num_unpadded_tokens_tensors = [torch.tensor(M, dtype=torch.int32)]
+        state.should_record_tensor = torch.ones((), dtype=torch.bool, device=device)
+        state.num_unpadded_tokens_tensors = [torch.tensor(M, dtype=torch.int32, device=device)]
 
         x = torch.randn(M, K, generator=g).bfloat16()
         logits = torch.randn(M, E, generator=g).bfloat16()
         logits[:, 0] += 2.0  # skewed: expert 0 (replicated) takes most tokens
+        x, logits = x.to(device), logits.to(device)
         with set_forward_context(None, config):
             want = plain(x, logits)
             got = replicated(x, logits)
-        recorded = expert_load.clone()
+        recorded = expert_load.cpu()
         state.should_record_tensor.fill_(False)  # the ids each slot went to, not counted again
         _, physical = replicated.router.select_experts(hidden_states=x, router_logits=logits)
         _, ids = plain.router.select_experts(hidden_states=x, router_logits=logits)
@@ -129,8 +140,10 @@ def _replicated_and_plain(rank, world_size, M):
     return dict(
         classes=(type(kernel.prepare_finalize).__name__, type(kernel.fused_experts).__name__),
         counts=(moe.num_experts, moe.num_logical_experts, moe.num_local_experts),
-        eplb=moe.moe_parallel_config.enable_eplb, p2l=p2l, new_p2l=new_p2l, physical=physical,
-        physical_after=physical_after, ids=ids, recorded=recorded, want=want, got=got, got_after=got_after,
+        eplb=moe.moe_parallel_config.enable_eplb, p2l=p2l, new_p2l=new_p2l,
+        physical=physical.long().cpu(), physical_after=physical_after.long().cpu(),
+        ids=ids.long().cpu(), recorded=recorded, want=want.cpu(), got=got.cpu(),
+        got_after=got_after.cpu(),
         replicas_hold_their_logical_weights=_replicas_hold(experts, logical, new_p2l))
 
 
@@ -151,8 +164,7 @@ def _rebalance_in_place(layer, logical, recorded, p2l, state):
     logical_load = torch.zeros(E).index_add_(0, p2l, recorded.float())
     new_p2l, l2p, count = _vllm_placement(logical_load.flip(0))  # a different placement
     _load(layer.routed_experts, logical, new_p2l)
-    state.logical_to_physical_map.fill_(-1)
-    state.logical_to_physical_map[:, :l2p.shape[1]] = l2p
+    state.logical_to_physical_map.copy_(l2p)
     state.logical_replica_count.copy_(count)
     return new_p2l
 
@@ -162,15 +174,14 @@ def _replicas_hold(experts, logical, p2l) -> bool:
     pairs = ((experts.w13_weight, logical.w1), (experts.w2_weight, logical.w2),
              (experts.w13_weight_scale_inv, logical.w1_scale),
              (experts.w2_weight_scale_inv, logical.w2_scale))
-    return all(torch.equal(p[slot].view(torch.uint8), w[int(p2l[slot])].view(torch.uint8))
+    return all(torch.equal(p[slot].cpu().view(torch.uint8), w[int(p2l[slot])].view(torch.uint8))
                for p, w in pairs for slot in range(E + R))
 
 
-@pytest.mark.parametrize("M", [1, 37])
-def test_vllms_eplb_layer_through_our_classes_equals_the_unreplicated_layer(M):
-    got = run_distributed(_replicated_and_plain, 1, M)[0]
+def check_equal_to_unreplicated(got, M, experts="VllmTritonExperts"):
+    """The checks on what ``_replicated_and_plain`` returns (this file's test; the GPU test's)."""
     assert got["eplb"]
-    assert got["classes"] == ("VllmNoEPPrepareAndFinalize", "VllmTritonExperts")
+    assert got["classes"] == ("VllmNoEPPrepareAndFinalize", experts)
     assert got["counts"] == (E + R, E, E + R)  # physical, logical, local: vLLM's numbers
     p2l, physical, ids = got["p2l"], got["physical"], got["ids"]
     assert sorted(set(p2l.tolist())) == list(range(E)) and len(p2l) == E + R
@@ -185,3 +196,8 @@ def test_vllms_eplb_layer_through_our_classes_equals_the_unreplicated_layer(M):
     assert want.abs().sum() > 0
     assert torch.equal(got["got"], want)
     assert torch.equal(got["got_after"], want)  # the rebalanced weights, served in place
+
+
+@pytest.mark.parametrize("M", [1, 37])
+def test_vllms_eplb_layer_through_our_classes_equals_the_unreplicated_layer(M):
+    check_equal_to_unreplicated(run_distributed(_replicated_and_plain, 1, M)[0], M)

@@ -1,7 +1,8 @@
 """The vLLM adapters on a GPU (tests/vllm_support/device_run.sh runs them against vLLM 0.33's
 Python tree): vLLM's FusedMoEKernel (its WorkspaceManager handing fresh views each call) with our
 prepare/finalize and experts against our own FusedMoEModularKernel, bit for bit, with the Triton
-experts and with real DeepGEMM; the low-latency adapter over a real ``deep_ep.Buffer`` at world
+experts and with real DeepGEMM; vLLM's FusedMoE layer with EPLB's physical experts against the
+un-replicated layer, bit for bit; the low-latency adapter over a real ``deep_ep.Buffer`` at world
 size 1 with the batched Triton and DeepGEMM experts. Skipped without vllm, a CUDA GPU, or the
 library a test needs.
 """
@@ -81,6 +82,22 @@ def test_fused_moe_layer_through_the_hook_on_gpu(deep_gemm, monkeypatch):
     assert (got["pf"], got["experts"]) == (
         "VllmNoEPPrepareAndFinalize", "VllmDeepGemmExperts" if deep_gemm else "VllmTritonExperts")
     assert got["weights_kept"] and got["nonzero"] and got["equal"]
+
+
+@pytest.mark.parametrize("deep_gemm", [
+    False, pytest.param(True, marks=pytest.mark.deep_gemm)], ids=["triton", "deep_gemm"])
+def test_fused_moe_layer_with_vllms_eplb_on_gpu(deep_gemm, monkeypatch):
+    """vLLM's FusedMoE layer with EPLB (E = 8 logical experts, R = 4 redundant, placed by vLLM's
+    DefaultEplbPolicy) on the GPU through the plugin's classes, vLLM's own Triton kernel mapping
+    the ids to replicas and recording the load: bit-equal to the un-replicated layer before and
+    after an in-place rebalance (test_vllm_eplb_layer.py's checks; world size 1, NCCL)."""
+    from _dist import run_distributed
+    from test_vllm_eplb_layer import _replicated_and_plain, check_equal_to_unreplicated
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1" if deep_gemm else "0")
+    for M in (1, 333):
+        got = run_distributed(_replicated_and_plain, 1, M, "cuda", backend="nccl")[0]
+        check_equal_to_unreplicated(
+            got, M, "VllmDeepGemmExperts" if deep_gemm else "VllmTritonExperts")
 
 
 @pytest.mark.deep_ep
