@@ -24,8 +24,9 @@ tens of microseconds on the host.
 block FP8 128x128 weights with dynamic 1x128 FP8 activations, SiLU with a gate/up multiply,
 hidden sizes multiples of 128, CUDA (Triton, or DeepGEMM on SM90) or CPU (the torch references,
 Triton classes only), one rank or DeepEP high-throughput (standard) / DeepEP low-latency
-(batched), no EPLB. ``unserved_reason`` adds what ``is_supported_config`` cannot see (intermediate
-size, bias, LoRA, micro-batching...).
+(batched), with or without vLLM's EPLB (its physical experts are an ordinary layer to them:
+support.py). ``unserved_reason`` adds what ``is_supported_config`` cannot see (intermediate size,
+bias, LoRA, micro-batching, elastic EP...).
 """
 
 from __future__ import annotations

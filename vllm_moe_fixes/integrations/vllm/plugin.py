@@ -134,7 +134,8 @@ def make_kernel(moe_quant_config, moe_config, experts_cls, routing_tables=None):
     layer, the prepare/finalize chosen by vLLM's parallel config; logs which classes it got.
 
     Arguments: vLLM's ``FusedMoEQuantConfig`` and ``FusedMoEConfig`` of the layer, one of our
-    experts adapter classes, and vLLM's routing tables (None; EPLB / round-robin ones raise).
+    experts adapter classes, and vLLM's routing tables (None, also under EPLB; round-robin
+    placement's raise).
     """
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 
@@ -159,8 +160,8 @@ def prepare_finalize_adapter(moe_config, routing_tables=None):
     library's factory (``prepare_finalize_wiring``) picks the class and its arguments from our
     backend name, the buffer and vLLM's numbers; this maps the names (``_backend_of``,
     ``ADAPTER_OF_PREPARE_FINALIZE``) and supplies the buffer (``_all2all_buffer``). vLLM's
-    routing tables (EPLB, round-robin placement) are refused: ours place expert g on rank
-    g // E_l."""
+    routing tables (built for round-robin placement only) are refused: ours place expert g on
+    rank g // E_l (under EPLB, physical expert p on rank p // E_l)."""
     from vllm_moe_fixes.fused_moe import kernel_factory
     from vllm_moe_fixes.integrations.vllm.prepare_finalize import ADAPTER_OF_PREPARE_FINALIZE
     from vllm_moe_fixes.integrations.vllm.support import check_no_routing_tables
