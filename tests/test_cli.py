@@ -58,10 +58,10 @@ def test_check_subprocess():
 
 
 def test_plan_json(capsys):
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: other jobs on the machine do not count
     assert main(["plan", "--model", "deepseek-r1", "--dp", "128", "--max-tokens", "128",
                  "--backend", "deepep_low_latency", "--json"]) == 0
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
     plan = json.loads(capsys.readouterr().out)
     assert {"model", "dp", "ep", "max_tokens", "backend", "loads", "deepep", "flags",
             "elapsed_s"} <= set(plan)
