@@ -151,7 +151,8 @@ def sweep(shape, token_counts, device, smoke, g):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens each of the 8 ranks routes")
+    parser.add_argument("--tokens", type=int, default=4096,
+                        help="tokens each of the 8 ranks routes")
     parser.add_argument("--sweep", type=int, nargs="*",
                         default=[16, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
                         help="tokens per rank of the layer-time sweep (none: skip it)")

@@ -8,6 +8,9 @@ gives one figure beside it; sweeps (`*_sweep.json`) are skipped. Series whose na
 ANCHOR_WORDS (copy ceiling, torch, DeepGEMM, published figures) are anchors, drawn dashed beside
 our kernels' solid lines. Every file's series are printed, so the selection shows without
 matplotlib too; drawing needs it. Exit status 0 (also when there is nothing to plot).
+
+eplb_sim.json (bench_eplb_sim) has a figure of its own (``draw_eplb_sim``): max/mean rank load
+against redundant experts, one panel per scenario and EP size.
 """
 
 from __future__ import annotations
@@ -64,6 +67,74 @@ def draw(path: Path, labels: list[str], values: dict[str, list[float]], ylabel: 
     return out
 
 
+# bench_eplb_sim's planners: name, label, line style, marker (None: drawn as a level).
+EPLB_PLANNERS = (("none", "no EPLB", ":", None), ("baseline", "hierarchical baseline", "-", "o"),
+                 ("ours", "ours", "-", "s"))
+EPLB_TICKS = (1, 1.5, 2, 4, 8, 16, 32)
+
+
+def _eplb_panel(ax, sel: list[dict], reds: list[int]) -> None:
+    """One (scenario, EP size) panel: a line per planner and, in the corner, the baseline's and
+    ours' values at the largest R (the differences near 1 that a log axis flattens)."""
+    for name, label, style, marker in EPLB_PLANNERS:
+        if marker is None:  # no redundant slots: one value whatever R
+            xs, ys = [reds[0], reds[-1]], [sel[0]["measured"][name]] * 2
+        else:
+            xs, ys = [r["redundant"] for r in sel], [r["measured"][name] for r in sel]
+        ax.plot(xs, ys, linestyle=style, marker=marker, label=label)
+    last = sel[-1]
+    ax.text(0.97, 0.95, f"R {last['redundant']}: baseline {last['measured']['baseline']:.2f}, "
+            f"ours {last['measured']['ours']:.2f}", transform=ax.transAxes, ha="right",
+            va="top", fontsize="small", bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+    ax.set_yscale("log")
+    ax.set_ylim(0.9, 4 * max(r["measured"]["none"] for r in sel))
+    ax.set_xticks(reds)
+    ax.grid(alpha=0.3)
+
+
+def draw_eplb_sim(rows: list[dict], path: Path) -> Path:
+    """eplb_sim.json's figure, written to `path`: the measured max/mean rank load against the
+    redundant experts R, one panel per (scenario, EP size), one line per planner (no EPLB has
+    no redundant slots: its one value spans the panel). Returns the file."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    eps = sorted({r["ep"] for r in rows})
+    reds = sorted({r["redundant"] for r in rows})
+    fig, axes = plt.subplots(len(scenarios), len(eps), sharex=True, squeeze=False,
+                             figsize=(3.4 * len(eps), 2.7 * len(scenarios)))
+    for i, scenario in enumerate(scenarios):
+        for j, ep in enumerate(eps):
+            ax = axes[i][j]
+            _eplb_panel(ax, sorted((r for r in rows if r["scenario"] == scenario
+                                    and r["ep"] == ep), key=lambda r: r["redundant"]), reds)
+            ax.yaxis.set_major_locator(FixedLocator(EPLB_TICKS))
+            ax.yaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_formatter(lambda v, _: f"{v:g}")
+            ax.set_title(f"{scenario}, EP {ep}", fontsize="medium")
+        axes[i][0].set_ylabel("max / mean rank load")
+    for ax in axes[-1]:
+        ax.set_xlabel("redundant experts R")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.suptitle("DeepSeek-V3/R1 routing: busiest rank's load over the mean rank's, measured on "
+                 "steps after the plan (a point for each R where E + R divides by EP)",
+                 y=0.995, fontsize="medium")
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.97),
+               ncol=len(EPLB_PLANNERS), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# Results files with a figure of their own: stem -> (draw(rows, png path), what it shows).
+OWN_FIGURES = {"eplb_sim": (draw_eplb_sim, "max/mean rank load against redundant experts, per "
+                                           "scenario and EP size (draw_eplb_sim)")}
+
+
 def plot(results_dir: Path) -> list[Path]:
     """Print each JSON's series and draw its figure where matplotlib is installed; returns the
     files written."""
@@ -79,9 +150,16 @@ def plot(results_dir: Path) -> list[Path]:
         if path.stem.endswith("_sweep"):
             continue
         try:
-            parsed = series(json.loads(path.read_text()))
+            payload = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
-            parsed = None
+            payload = {}
+        if path.stem in OWN_FIGURES and "rows" in payload:
+            print(f"  {path.name}: {OWN_FIGURES[path.stem][1]}")
+            if can_draw:
+                written.append(OWN_FIGURES[path.stem][0](payload["rows"], path.with_suffix(".png")))
+                print(f"  wrote {written[-1]}")
+            continue
+        parsed = series(payload)
         if parsed is None:
             print(f"  {path.name}: nothing to plot")
             continue

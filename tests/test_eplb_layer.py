@@ -172,12 +172,3 @@ def test_bad_layers():
     with pytest.raises(ValueError, match=r"topk_ids must be logical ids in \[-1, 8\), got"):
         layer(x, w, ids)
 
-
-def test_benchmark_smoke_runs(capsys):
-    """bench_eplb_layer --smoke: tiny shapes on the CPU, every row of the table, no JSON."""
-    from benchmarks import bench_eplb_layer
-
-    bench_eplb_layer.main(["--smoke"])
-    out = capsys.readouterr().out
-    for name in ("balanced", "zeros + eplb", "zipf + eplb", "tokens_per_rank"):
-        assert name in out

@@ -1,8 +1,12 @@
-"""ExpertPlacement: tables, validation, and routing to replicas (against a loop reference)."""
+"""ExpertPlacement: tables, validation, and routing to replicas (against a loop reference); the
+eplb package's public names."""
+
+import importlib
 
 import pytest
 import torch
 
+import vllm_moe_fixes.eplb as eplb
 from vllm_moe_fixes.eplb import ExpertPlacement, route_reference
 
 # world 2, E 6, R 2: experts 0 and 3 have a second replica on rank 1.
@@ -116,3 +120,15 @@ def test_route_on_gpu_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), expected)
+
+
+def test_the_package_exports_every_modules_public_names():
+    """vllm_moe_fixes.eplb's __all__ is the union of its modules' __all__, each name the
+    module's own object."""
+    names = set()
+    for module in ("placement", "load_stats", "balanced_layer", "weight_move", "rebalance",
+                   "simulate"):
+        mod = importlib.import_module(f"vllm_moe_fixes.eplb.{module}")
+        names |= set(mod.__all__)
+        assert all(getattr(eplb, n) is getattr(mod, n) for n in mod.__all__), module
+    assert sorted(eplb.__all__) == sorted(names) and len(eplb.__all__) == len(names)

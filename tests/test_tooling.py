@@ -1,7 +1,9 @@
 """The tooling around the library: the CLI without torch, demo messages that say where a number
-came from and what ran, benchmarks that refuse a CPU clearly, device_run.sh failing when nothing
-was tested, and the README's set-up."""
+came from and what ran, benchmarks that refuse a CPU clearly, bench_eplb_layer's CPU smoke run, the
+EPLB simulation's figure, device_run.sh failing when nothing was tested, and the README's set-up."""
 
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -153,6 +155,34 @@ def test_gpu_benchmarks_refuse_a_cpu_clearly(module):
     assert res.returncode != 0
     assert "Traceback" not in res.stderr, res.stderr
     assert f"{module} needs a CUDA GPU" in res.stderr, res.stderr
+
+
+def test_eplb_layer_benchmark_smoke_runs_on_a_cpu():
+    """bench_eplb_layer --smoke: tiny shapes on the CPU, every row of the table and the layer-time
+    sweep printed, no JSON written."""
+    res = subprocess.run([sys.executable, "-m", "benchmarks.bench_eplb_layer", "--smoke"],
+                         cwd=REPO, env=_clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name in ("balanced", "zeros + eplb", "zipf + eplb", "tokens_per_rank"):
+        assert name in res.stdout, res.stdout
+    assert "wrote" not in res.stdout
+
+
+def test_plots_draw_the_eplb_simulation_figure(tmp_path):
+    """benchmarks/plots.py gives eplb_sim.json its own figure (max/mean against R, a panel per
+    scenario and EP size), drawn where matplotlib is installed."""
+    rows = [{"scenario": s, "ep": ep, "redundant": r,
+             "measured": {"none": 4.0, "baseline": 2.0 - r / 64, "ours": 1.5 - r / 64}}
+            for s in ("zero", "shift") for ep, r in ((8, 0), (8, 64), (64, 0))]
+    (tmp_path / "eplb_sim.json").write_text(json.dumps({"rows": rows}))
+    res = subprocess.run([sys.executable, "-m", "benchmarks.plots", str(tmp_path)], cwd=REPO,
+                         env=_clean_env(), capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "eplb_sim.json: max/mean rank load against redundant experts" in res.stdout
+    drawn = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / "eplb_sim.png").is_file() == drawn, res.stdout + res.stderr
 
 
 # ------------------------------------------------------------------ the GPU selection on a CPU

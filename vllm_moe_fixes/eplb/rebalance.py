@@ -26,7 +26,7 @@ When the groups do not divide over the nodes it runs globally (one node, one gro
     once the largest replica alone exceeds the best max found. A smaller r is taken only where
     it lowers the max by more than ``SEARCH_MARGIN`` of the mean rank load: the plan meets
     traffic it was not made from, and fewer replicas of the hot experts, balanced to the last
-    token on past counts, fare worse on the next counts (in bench_eplb_sim's drifting Zipf at
+    token on past counts, fare worse on the next counts (in ``simulate``'s shift scenario at
     EP 8 without the margin, 1.05-1.08 against 1.02-1.03 with it).
   * Packing: longest processing time with equal slot counts (as the baseline), then pairwise
     swaps: while swapping a physical expert of the busiest rank with one of another rank lowers
