@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -82,7 +83,10 @@ def main(argv=None) -> int:
         path = write_json("eplb_sim", {"config": dataclasses.asdict(config),
                                        "layer_time_source": source, "rows": rows,
                                        "elapsed_s": elapsed})
-        draw_eplb_sim(rows, path.with_suffix(".png"))
+        if importlib.util.find_spec("matplotlib") is None:
+            print("matplotlib is not installed: no plot (pip install 'vllm-moe-fixes[plot]')")
+        else:
+            print(f"wrote {draw_eplb_sim(rows, path.with_suffix('.png'))}")
     return 0
 
 

@@ -1,10 +1,10 @@
 """Decode as engines run it (GPU): the low-latency layer over a real DeepEP buffer, built and
-called with the README's arguments (max_tokens_per_rank = VLLM_MOE_DP_CHUNK_SIZE, no
-max_tokens_across_ranks), captured in a CUDA graph with both batched experts; replays on new
-inputs copied into the captured tensors equal eager calls bit for bit, and an eager call runs
-under torch's sync debug mode "error" (no host synchronisation and no pageable copy). High-
-throughput mode is refused inside a capture and runs eagerly afterwards; the group's count
-agreement (eager, several ranks) makes one synchronisation, its read, and no pageable copy.
+called as the example of docs/design.md's "Decode under CUDA graphs" does (max_tokens_per_rank =
+VLLM_MOE_DP_CHUNK_SIZE, no max_tokens_across_ranks), captured in a CUDA graph with both batched
+experts; replays on new inputs copied into the captured tensors equal eager calls bit for bit, and
+an eager call runs under torch's sync debug mode "error" (no host synchronisation and no pageable
+copy). High-throughput mode is refused inside a capture and runs eagerly afterwards; the group's
+count agreement (eager, several ranks) makes one synchronisation, its read, and no pageable copy.
 
 Each case runs in fresh NCCL ranks (run_distributed), so NVSHMEM starts clean in each. The CPU
 side of the capture rules: tests/test_capture_contract.py.
@@ -30,7 +30,7 @@ from vllm_moe_fixes.fused_moe import (
 from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import group_max_tokens
 from vllm_moe_fixes.testing import moe_reference, random_fp8_moe_weights, rel_err
 
-M, K, I, E, TOPK = 16, 2048, 128, 8, 2  # the README's low-latency example
+M, K, I, E, TOPK = 16, 2048, 128, 8, 2  # that example's sizes
 
 
 def _layer_parts(rank, world):
