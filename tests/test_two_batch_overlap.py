@@ -153,7 +153,7 @@ def _delayed_worker(rank: int, world: int) -> None:
     began = time.perf_counter()
     first = delayed.dispatch(x, async_finish=True, **args)
     second = delayed.dispatch(x, async_finish=True, **args)
-    assert delayed.link_seconds == pytest.approx(2 * per_dispatch)
+    assert delayed.bytes_sent * spb == pytest.approx(2 * per_dispatch)
     first[-1].current_stream_wait()
     second[-1].current_stream_wait()
     assert time.perf_counter() - began >= 2 * per_dispatch

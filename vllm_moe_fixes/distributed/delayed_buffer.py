@@ -26,7 +26,8 @@ class DelayedAll2AllBuffer(TorchAll2AllBuffer):
         seconds_per_byte: the simulated link's time per byte this rank sends (>= 0; 0: the plain
             buffer's timing).
 
-    ``link_seconds`` adds up the simulated transfer time (reset it between measurements).
+    ``bytes_sent`` adds up the bytes of the data exchanges (reset it between measurements): their
+    simulated time is bytes_sent * seconds_per_byte.
     """
 
     def __init__(self, group=None, *, seconds_per_byte: float, **kwargs) -> None:
@@ -35,19 +36,17 @@ class DelayedAll2AllBuffer(TorchAll2AllBuffer):
             raise ValueError(f"seconds_per_byte={seconds_per_byte!r} must be a number >= 0")
         super().__init__(group, **kwargs)
         self.seconds_per_byte = float(seconds_per_byte)
-        self.link_seconds = 0.0
+        self.bytes_sent = 0
         self._link_free_at = 0.0  # time.perf_counter() when the last transfer ends
 
     def _start(self, collective, *args, **kwargs) -> Callable[[], None]:
         """Start the exchange (its second argument is what this rank sends), then book it on the
         link; the returned wait also waits for the booked end."""
         wait = super()._start(collective, *args, **kwargs)
-        sent = args[1]
-        now = time.perf_counter()
-        begin = max(now, self._link_free_at)
-        end = self._link_free_at = begin + sent.numel() * sent.element_size() \
-            * self.seconds_per_byte
-        self.link_seconds += end - begin
+        sent = args[1].numel() * args[1].element_size()
+        self.bytes_sent += sent
+        begin = max(time.perf_counter(), self._link_free_at)
+        end = self._link_free_at = begin + sent * self.seconds_per_byte
 
         def wait_for_link() -> None:
             wait()
