@@ -9,39 +9,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_moe_fixes.eplb.simulate import (
-    DEEPSEEK_V3,
-    SCENARIOS,
-    LayerTimeCurve,
-    RoutingShape,
-    SimulationConfig,
-    max_mean,
-    planners,
-    replay,
-    run_simulation,
-    scenario_loads,
-)
+from vllm_moe_fixes.eplb import simulate as sim
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eplb_sim.json"
 # 32 experts in 4 groups, top-4 of the best 2 groups: the DeepSeek-V3 router, small.
-SMALL = RoutingShape(num_experts=32, topk=4, num_groups=4, topk_group=2)
+SMALL = sim.RoutingShape(num_experts=32, topk=4, num_groups=4, topk_group=2)
 
 
 # ---------------------------------------------------------------- scenarios
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", sim.SCENARIOS)
 def test_scenario_loads_count_every_slot_and_repeat_with_the_seed(name):
-    loads = scenario_loads(name, tokens=37, steps=3, seed=5, shape=SMALL)
+    loads = sim.scenario_loads(name, tokens=37, steps=3, seed=5, shape=SMALL)
     assert len(loads) == 3
     for load in loads:
         assert load.shape == (32,) and load.dtype == np.float64 and load.sum() == 37 * 4
-    again = scenario_loads(name, tokens=37, steps=3, seed=5, shape=SMALL)
+    again = sim.scenario_loads(name, tokens=37, steps=3, seed=5, shape=SMALL)
     assert all(np.array_equal(a, b) for a, b in zip(loads, again))
-    other = scenario_loads(name, tokens=37, steps=3, seed=6, shape=SMALL)
+    other = sim.scenario_loads(name, tokens=37, steps=3, seed=6, shape=SMALL)
     assert not all(np.array_equal(a, b) for a, b in zip(loads, other))
 
 
 def test_zero_ids_put_every_token_on_one_top_k():
-    loads = scenario_loads("zero", tokens=10, steps=2, seed=0, shape=SMALL)
+    loads = sim.scenario_loads("zero", tokens=10, steps=2, seed=0, shape=SMALL)
     for load in loads:
         assert sorted(load[load > 0].tolist()) == [10.0] * 4
     loads[0][:] = -1  # the steps are separate arrays
@@ -52,7 +41,7 @@ def test_shift_moves_the_popularity_while_zipf_keeps_it():
     """Over many tokens a step's hottest expert is the popularity order's first: fixed for
     zipf1.0, drifting for shift (sixteen neighbour swaps a step over 32 experts)."""
     hot = {name: [int(np.argmax(load)) for load in
-                  scenario_loads(name, tokens=512, steps=8, seed=0, shape=SMALL)]
+                  sim.scenario_loads(name, tokens=512, steps=8, seed=0, shape=SMALL)]
            for name in ("zipf1.0", "shift")}
     assert len(set(hot["zipf1.0"])) == 1
     assert len(set(hot["shift"])) > 1
@@ -60,21 +49,21 @@ def test_shift_moves_the_popularity_while_zipf_keeps_it():
 
 def test_bad_scenarios_are_refused():
     with pytest.raises(ValueError, match=r"name='zipf2' must be one of \('zero'"):
-        scenario_loads("zipf2", tokens=8, steps=1)
+        sim.scenario_loads("zipf2", tokens=8, steps=1)
     with pytest.raises(ValueError, match="tokens=0 must be a positive int"):
-        scenario_loads("zero", tokens=0, steps=1)
+        sim.scenario_loads("zero", tokens=0, steps=1)
     with pytest.raises(ValueError, match="swaps_per_step=-1 must be an int >= 0"):
-        scenario_loads("shift", tokens=8, steps=1, swaps_per_step=-1)
+        sim.scenario_loads("shift", tokens=8, steps=1, swaps_per_step=-1)
     with pytest.raises(ValueError, match="topk_group=0 must be a positive int"):
-        RoutingShape(num_experts=8, topk=2, num_groups=2, topk_group=0)
+        sim.RoutingShape(num_experts=8, topk=2, num_groups=2, topk_group=0)
 
 
 # ---------------------------------------------------------------- scoring and replay
 def test_max_mean_splits_an_expert_over_its_replicas():
     # rank 0: expert 0 (6 / 2 replicas) + expert 1 (2); rank 1: expert 0 (3) + expert 2 (1)
-    assert max_mean([6.0, 2.0, 1.0], [0, 1, 0, 2], 2) == pytest.approx(5 / 4.5)
+    assert sim.max_mean([6.0, 2.0, 1.0], [0, 1, 0, 2], 2) == pytest.approx(5 / 4.5)
     with pytest.raises(ValueError, match="load must not be all zero"):
-        max_mean([0.0, 0.0], [0, 1], 2)
+        sim.max_mean([0.0, 0.0], [0, 1], 2)
 
 
 # Two placements of 2 experts on 2 ranks of 2 slots: expert 0 alone on rank 0, or split.
@@ -90,7 +79,7 @@ def test_replay_replans_on_schedule_and_scores_the_placement_in_force():
         calls.append((load.tolist(), None if previous is None else previous.tolist()))
         return (APART, SPLIT)[(len(calls) - 1) % 2]
 
-    got = replay([np.array([3.0, 1.0])] * 7, alternate, world_size=2, window=2,
+    got = sim.replay([np.array([3.0, 1.0])] * 7, alternate, world_size=2, window=2,
                  rebalance_every=2)
     assert calls == [([6.0, 2.0], None), ([6.0, 2.0], APART.tolist()),
                      ([6.0, 2.0], SPLIT.tolist())]
@@ -102,31 +91,31 @@ def test_replay_replans_on_schedule_and_scores_the_placement_in_force():
 
 def test_replay_of_window_plus_one_steps_plans_once_on_unseen_traffic():
     seen = []
-    got = replay([np.array([1.0, 1.0])] * 2 + [np.array([3.0, 1.0])],
+    got = sim.replay([np.array([1.0, 1.0])] * 2 + [np.array([3.0, 1.0])],
                  lambda load, previous: seen.append(load) or APART, world_size=2, window=2,
                  rebalance_every=5)
     assert len(seen) == 1 and seen[0].tolist() == [2.0, 2.0]
     assert got == {"planned": 1.0, "measured": 1.5, "moves_per_rebalance": None}
     with pytest.raises(ValueError, match="loads holds 2 steps; replay needs more than window=2"):
-        replay([np.ones(2)] * 2, lambda load, previous: APART, world_size=2, window=2,
+        sim.replay([np.ones(2)] * 2, lambda load, previous: APART, world_size=2, window=2,
                rebalance_every=1)
 
 
 def test_planners_give_valid_placements_and_none_keeps_the_experts_in_order():
-    load = scenario_loads("zipf1.5", tokens=64, steps=1, shape=SMALL)[0]
-    made = planners(num_experts=32, world_size=4, num_redundant=8, num_groups=4)
+    load = sim.scenario_loads("zipf1.5", tokens=64, steps=1, shape=SMALL)[0]
+    made = sim.planners(num_experts=32, world_size=4, num_redundant=8, num_groups=4)
     assert set(made) == {"none", "baseline", "ours"}
     assert made["none"](load, None).tolist() == list(range(32))
     for name in ("baseline", "ours"):
         p2l = made[name](load, None)
         assert p2l.shape == (40,) and set(p2l.tolist()) == set(range(32)), name
-    assert max_mean(load, made["ours"](load, None), 4) <= \
-        max_mean(load, made["baseline"](load, None), 4) * (1 + 1e-9)
+    assert sim.max_mean(load, made["ours"](load, None), 4) <= \
+        sim.max_mean(load, made["baseline"](load, None), 4) * (1 + 1e-9)
 
 
 # ---------------------------------------------------------------- layer time
 def test_layer_time_interpolates_and_extends_the_last_segment():
-    curve = LayerTimeCurve.from_points([(8192, 4000.0), (128, 100.0), (1024, 500.0)])
+    curve = sim.LayerTimeCurve.from_points([(8192, 4000.0), (128, 100.0), (1024, 500.0)])
     assert curve.slots == (128.0, 1024.0, 8192.0)
     assert curve(128) == 100.0 and curve(64) == 100.0  # flat below the first point
     assert curve(576) == pytest.approx(300.0)
@@ -139,7 +128,7 @@ def test_layer_time_interpolates_and_extends_the_last_segment():
     ((1.0, 2.0), (2.0, float("nan")), "us must be finite and >= 0")])
 def test_bad_layer_time_curves_are_refused(slots, us, says):
     with pytest.raises(ValueError, match=says):
-        LayerTimeCurve(slots=slots, us=us)
+        sim.LayerTimeCurve(slots=slots, us=us)
 
 
 # ---------------------------------------------------------------- the whole simulation
@@ -147,13 +136,13 @@ def test_small_simulation_rows():
     """E 32 at EP 4 and 8 with R 0, 4, 8 (36 slots do not divide over 8 ranks). Zero ids send
     every token to 4 experts: at EP 8, R 8 ours gives each a second replica (one hot replica a
     rank, max/mean 1); the baseline's third replicas put two hot ones on some ranks (4/3)."""
-    config = SimulationConfig(shape=SMALL, eps=(4, 8), redundant=(0, 4, 8), tokens_per_step=128,
-                              steps_shift=9, window=4, rebalance_every=2, swaps_per_step=4,
-                              tokens_per_rank=64)
-    curve = LayerTimeCurve(slots=(0.0, 1024.0), us=(10.0, 1034.0))  # 10 us + 1 us a slot
-    rows = run_simulation(config, curve)
+    config = sim.SimulationConfig(shape=SMALL, eps=(4, 8), redundant=(0, 4, 8),
+                                  tokens_per_step=128, steps_shift=9, window=4,
+                                  rebalance_every=2, swaps_per_step=4, tokens_per_rank=64)
+    curve = sim.LayerTimeCurve(slots=(0.0, 1024.0), us=(10.0, 1034.0))  # 10 us + 1 us a slot
+    rows = sim.run_simulation(config, curve)
     by = {(r["scenario"], r["ep"], r["redundant"]): r for r in rows}
-    assert len(rows) == len(SCENARIOS) * 5 and ("zero", 8, 4) not in by
+    assert len(rows) == len(sim.SCENARIOS) * 5 and ("zero", 8, 4) not in by
     for r in rows:
         assert r["planned"]["ours"] <= r["planned"]["baseline"] * (1 + 1e-9), r
         assert ("moves_per_rebalance" in r) == (r["scenario"] == "shift"), r
@@ -162,28 +151,28 @@ def test_small_simulation_rows():
     assert by["zero", 8, 8]["planned"]["ours"] == pytest.approx(1.0)
     assert by["zero", 8, 8]["planned"]["baseline"] == pytest.approx(4 / 3)
     assert by["zero", 8, 0]["planned"]["none"] == pytest.approx(by["zero", 8, 8]["planned"]["none"])
-    assert "layer_us" not in run_simulation(SimulationConfig(
+    assert "layer_us" not in sim.run_simulation(sim.SimulationConfig(
         shape=SMALL, eps=(4,), redundant=(0,), scenarios=("zero",), tokens_per_step=8))[0]
 
 
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match=r"scenarios \['drift'\] are not among"):
-        SimulationConfig(scenarios=("zero", "drift"))
+        sim.SimulationConfig(scenarios=("zero", "drift"))
     with pytest.raises(ValueError, match="steps_shift=8 must be > window=8"):
-        SimulationConfig(steps_shift=8)
+        sim.SimulationConfig(steps_shift=8)
     with pytest.raises(ValueError, match="redundant=-8 must be an int >= 0"):
-        SimulationConfig(redundant=(0, -8))
+        sim.SimulationConfig(redundant=(0, -8))
 
 
 def test_default_config_is_deepseek_v3_at_deployment_sizes():
-    config = SimulationConfig()
-    assert config.shape == DEEPSEEK_V3
+    config = sim.SimulationConfig()
+    assert config.shape == sim.DEEPSEEK_V3
     assert (64, 32) not in config.layouts() and (64, 64) in config.layouts()  # 288 % 64 != 0
 
 
 def test_committed_results_meet_the_targets():
     rows = json.loads(RESULTS.read_text())["rows"]
-    assert len(rows) == len(SimulationConfig().layouts()) * len(SCENARIOS)
+    assert len(rows) == len(sim.SimulationConfig().layouts()) * len(sim.SCENARIOS)
     for r in rows:
         assert r["planned"]["ours"] <= r["planned"]["baseline"] * (1 + 1e-9), r
     by = {(r["scenario"], r["ep"], r["redundant"]): r for r in rows}

@@ -9,8 +9,7 @@ import sys
 import types
 
 import pytest
-
-SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_support")
+from _vllm_support import SUPPORT, import_support
 
 # Runs in a fresh interpreter: the stand-ins define the _C / _moe_C op namespaces, which vLLM's
 # own compiled library defines wherever vllm is imported.
@@ -143,11 +142,7 @@ def test_masked_silu_mul_quant_stand_in_writes_the_recipe_on_valid_rows_only():
 def test_harness_registration_adds_our_classes_and_swaps_in_our_prepare_finalize():
     """Against registries and a kernel factory of vLLM 0.33's harness's shape."""
     pytest.importorskip("vllm")
-    sys.path.insert(0, SUPPORT)
-    try:
-        import mk_registration
-    finally:
-        sys.path.remove(SUPPORT)
+    mk_registration = import_support("mk_registration")
     from vllm_moe_fixes.integrations.vllm import (
         VllmBatchedTritonExperts,
         VllmNoEPPrepareAndFinalize,
@@ -200,11 +195,7 @@ def test_harness_registration_adds_our_classes_and_swaps_in_our_prepare_finalize
 
 
 def test_harness_case_filter_keeps_only_block_fp8_cases_for_our_classes():
-    sys.path.insert(0, SUPPORT)
-    try:
-        import mk_registration
-    finally:
-        sys.path.remove(SUPPORT)
+    mk_registration = import_support("mk_registration")
 
     class Ours:
         __module__ = "vllm_moe_fixes.integrations.vllm.experts"
