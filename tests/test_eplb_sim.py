@@ -162,6 +162,8 @@ def test_bad_configs_are_refused():
         sim.SimulationConfig(steps_shift=8)
     with pytest.raises(ValueError, match="redundant=-8 must be an int >= 0"):
         sim.SimulationConfig(redundant=(0, -8))
+    with pytest.raises(ValueError, match="eps holds 12, which does not divide the 256 experts"):
+        sim.SimulationConfig(eps=(8, 12))
 
 
 def test_default_config_is_deepseek_v3_at_deployment_sizes():

@@ -231,8 +231,8 @@ class SimulationConfig:
 
     Fields:
         shape: the router (RoutingShape).
-        eps: EP sizes; redundant: redundant expert counts R (a layout runs where E + R divides
-            by the EP size).
+        eps: EP sizes, each dividing E; redundant: redundant expert counts R (a layout runs
+            where E + R divides by the EP size).
         scenarios: names from SCENARIOS.
         tokens_per_step: tokens the whole EP group routes per step.
         steps_shift: steps of the shift scenario (the others run window + 1: plan once, score
@@ -263,6 +263,9 @@ class SimulationConfig:
             check_positive_int(name, getattr(self, name))
         for ep in self.eps:
             check_positive_int("eps", ep)
+            check(self.shape.num_experts % ep == 0,
+                  f"eps holds {ep}, which does not divide the {self.shape.num_experts} experts "
+                  f"(no EPLB puts E / EP experts on a rank)")
         for r in self.redundant:
             _check_count("redundant", r)
         _check_count("seed", self.seed)
