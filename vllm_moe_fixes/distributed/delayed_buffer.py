@@ -26,8 +26,9 @@ class DelayedAll2AllBuffer(TorchAll2AllBuffer):
         seconds_per_byte: the simulated link's time per byte this rank sends (>= 0; 0: the plain
             buffer's timing).
 
-    ``bytes_sent`` adds up the bytes of the data exchanges (reset it between measurements): their
-    simulated time is bytes_sent * seconds_per_byte.
+    ``bytes_sent`` adds up the bytes of the data exchanges: their simulated time is bytes_sent *
+    seconds_per_byte; ``waited_seconds`` adds up the time waits spent on the link (the simulated
+    time the caller did not hide). Reset both between measurements.
     """
 
     def __init__(self, group=None, *, seconds_per_byte: float, **kwargs) -> None:
@@ -37,6 +38,7 @@ class DelayedAll2AllBuffer(TorchAll2AllBuffer):
         super().__init__(group, **kwargs)
         self.seconds_per_byte = float(seconds_per_byte)
         self.bytes_sent = 0
+        self.waited_seconds = 0.0
         self._link_free_at = 0.0  # time.perf_counter() when the last transfer ends
 
     def _start(self, collective, *args, **kwargs) -> Callable[[], None]:
@@ -52,6 +54,7 @@ class DelayedAll2AllBuffer(TorchAll2AllBuffer):
             wait()
             left = end - time.perf_counter()
             if left > 0:
+                self.waited_seconds += left
                 time.sleep(left)
 
         return wait_for_link
