@@ -33,7 +33,7 @@ import torch
 from benchmarks._common import bench_us, print_table, write_json
 from vllm_moe_fixes.eplb import ExpertPlacement
 from vllm_moe_fixes.eplb.rebalance import rebalance
-from vllm_moe_fixes.fused_moe import Fp8MoEWeights, fused_topk, make_moe_kernel
+from vllm_moe_fixes.fused_moe import fused_topk, make_moe_kernel
 from vllm_moe_fixes.testing import random_fp8_moe_weights
 
 FULL = dict(K=7168, I=2048, E=256, topk=8, ep=8, redundant=32)
@@ -83,8 +83,8 @@ class Rank:
 
     def __init__(self, shape, num_local, device, g):
         self.shape, self.num_local = shape, num_local
-        w = random_fp8_moe_weights(num_local, shape["K"], shape["I"], generator=g)
-        self.w = Fp8MoEWeights(*(t.to(device) for t in w))
+        self.w = random_fp8_moe_weights(num_local, shape["K"], shape["I"], generator=g,
+                                        device=device)
         self.kernel = make_moe_kernel(None, hidden_size=shape["K"],
                                       intermediate_size=shape["I"], num_experts=num_local)
 

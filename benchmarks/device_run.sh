@@ -43,7 +43,7 @@ stage_tests() {
     libraries 2>&1 | tee "$OUT/build.log" | tail -n 8 || built=$?
     # Three pytest processes share the GPU (test i in process i mod 3): the suite is bound by
     # Triton compiles and spawned ranks' start-up, not the GPU (about 210 s instead of 425+).
-    local select="gpu or multi_gpu or deep_ep or deep_gemm" i pids=()
+    local select="(gpu or multi_gpu or deep_ep or deep_gemm) and not gpu_alone" i pids=()
     rm -f "$OUT"/gpu_tests*.log
     python3 -m pytest --collect-only -q -m "$select" -p no:cacheprovider tests 2>/dev/null \
         | grep "::" >"$OUT/gpu_test_ids.txt"
@@ -61,6 +61,10 @@ stage_tests() {
         wait "${pids[$i]}" || tested=$?
         tail -n 12 "$OUT/gpu_tests_$i.log" >>"$OUT/gpu_tests.log"
     done
+    # Tests that read the device's free memory run last, alone on the GPU.
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu_alone \
+        tests >"$OUT/gpu_tests_alone.log" 2>&1 || tested=$?
+    tail -n 12 "$OUT/gpu_tests_alone.log" >>"$OUT/gpu_tests.log"
     cat "$OUT/gpu_tests.log"
     if (( built != 0 )); then
         echo "device_run.sh tests: FAILED: the DeepEP / DeepGEMM build failed" \

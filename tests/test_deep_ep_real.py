@@ -171,6 +171,7 @@ def _footprint_worker(rank: int, world: int) -> tuple[int, int]:
     return taken, model
 
 
+@pytest.mark.gpu_alone
 def test_footprint_model_covers_a_real_buffer():
     """The planner's figure for a low-latency buffer (N 128, H 7168, 32 experts, world size 1) is
     not below what creating it takes (within 64 MiB), and not more than twice it."""

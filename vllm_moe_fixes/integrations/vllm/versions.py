@@ -28,6 +28,15 @@ SUPPORTED_RANGE = f"{OLDEST_SUPPORTED[0]}.{OLDEST_SUPPORTED[1]}-" \
                   f"{NEWEST_SUPPORTED[0]}.{NEWEST_SUPPORTED[1]}"
 
 
+def uses_batched_activation_format(moe_config) -> bool:
+    """Whether vLLM lays the layer's activations out per expert (the batched format) for
+    ``moe_config`` (a ``FusedMoEConfig``). vLLM 0.34 answers on the layer's config (which also
+    counts ``moe_backend="batched_triton"``); before 0.34 the parallel config answers."""
+    if hasattr(type(moe_config), "use_batched_activation_format"):
+        return moe_config.use_batched_activation_format
+    return moe_config.moe_parallel_config.use_batched_activation_format
+
+
 class UnsupportedVllmVersionError(RuntimeError):
     """vLLM is older than the plugin's supported range: its hook has nothing to bind to."""
 
