@@ -8,10 +8,13 @@ The experts are a stand-in (the dequantised rows times a factor per expert, the 
 in both runs): what is compared is the transfer, not the GEMMs.
 """
 
+import faulthandler
+
 import pytest
 import torch
 from _dist import device_for, run_distributed
 
+from vllm_moe_fixes._compat import deep_ep as deep_ep_compat
 from vllm_moe_fixes.distributed.buffers import clear_all2all_buffers, make_all2all_buffer
 from vllm_moe_fixes.distributed.torch_buffer import Completion, TorchAll2AllBuffer
 from vllm_moe_fixes.distributed.torch_elastic_buffer import TorchElasticBuffer
@@ -20,7 +23,9 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPLLPrepareAndFinalize,
     DeepEPV2PrepareAndFinalize,
 )
+from vllm_moe_fixes.fused_moe.batched_experts import BatchedTritonExperts
 from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat
+from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 
 E_LOCAL, TOPK, N = 3, 3, 8  # experts per rank, k, max tokens per rank and micro-batch
@@ -135,13 +140,46 @@ def _compare(pf, batches, num_experts: int) -> None:
             assert torch.isfinite(got_out.float()).all(), f"{name}: output not written"
 
 
+class _OneCallInFlight(TorchAll2AllBuffer):
+    """TorchAll2AllBuffer whose low-latency calls fail where DeepEP v1.2.1 hangs: a call issued
+    while an earlier call's receive hook has not run (its send zeroes the counters that hook waits
+    on: _compat.deep_ep.LOW_LATENCY_ASYNC_VERIFIED), or a hook run twice."""
+
+    _pending = None
+
+    def _issue(self, result: tuple) -> tuple:
+        hook = result[-1]
+        if hook is None:
+            return result
+
+        def once() -> None:
+            assert self._pending is once, "receive hook run twice, or after a later call"
+            self._pending = None
+            hook()
+
+        self._pending = once
+        return (*result[:-1], once)
+
+    def _check_idle(self) -> None:
+        assert self._pending is None, ("a low-latency call issued before the previous call's "
+                                       "receive hook ran (DeepEP hangs there)")
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        self._check_idle()
+        return self._issue(super().low_latency_dispatch(*args, **kwargs))
+
+    def low_latency_combine(self, *args, **kwargs):
+        self._check_idle()
+        return self._issue(super().low_latency_combine(*args, **kwargs))
+
+
 def _torch_buffers_worker(rank: int, world: int) -> None:
     hidden, num_experts = 2048, E_LOCAL * world  # a hidden size DeepEP LL serves
     device = device_for(rank)
     batches = _micro_batches(rank, world, hidden, device)
     wiring = dict(num_dispatchers=world, rank_expert_offset=rank * E_LOCAL)
     ht = DeepEPHTPrepareAndFinalize(TorchAll2AllBuffer(), **wiring)
-    ll_buffer = TorchAll2AllBuffer(low_latency_mode=True, num_max_dispatch_tokens_per_rank=N,
+    ll_buffer = _OneCallInFlight(low_latency_mode=True, num_max_dispatch_tokens_per_rank=N,
                                    hidden=hidden, num_experts=num_experts)
     elastic = TorchElasticBuffer(num_max_tokens_per_rank=N, hidden=hidden, num_topk=TOPK,
                                  use_fp8_dispatch=True)
@@ -162,9 +200,14 @@ def test_async_equals_sync_on_torch_buffers(world):
     run_distributed(_torch_buffers_worker, world)
 
 
+HANG_SECONDS = 120  # a rank still running then is a hang: it exits with its stacks, and fails
+
+
 def _deep_ep_worker(rank: int, world: int, backend: str) -> None:
     """The same comparison over a real deep_ep.Buffer (hidden 2048: a size DeepEP's low-latency
-    kernels are compiled for)."""
+    kernels are compiled for). Low-latency until low_latency_async_verified(): the safe behaviour
+    (supports_async() False, two-batch overlap refused, the synchronous calls right) instead."""
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     hidden, num_experts = 2048, E_LOCAL * world
     batches = _micro_batches(rank, world, hidden, torch.device("cuda", rank))
     buffer = make_all2all_buffer(backend, None, max_tokens_per_rank=N, hidden=hidden,
@@ -176,9 +219,23 @@ def _deep_ep_worker(rank: int, world: int, backend: str) -> None:
     else:
         pf = DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world,
                                         rank_expert_offset=rank * E_LOCAL)
-    _compare(pf, batches, num_experts)
+    if backend == "deepep_low_latency" and not deep_ep_compat.low_latency_async_verified():
+        _check_async_refused(pf, batches, num_experts)
+    else:
+        _compare(pf, batches, num_experts)
     torch.cuda.synchronize()
     clear_all2all_buffers()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _check_async_refused(pf, batches, num_experts: int) -> None:
+    """An unverified async low-latency path over DeepEP is not taken: supports_async() is False,
+    micro_batches=2 is refused naming why, and the synchronous calls still give finite outputs."""
+    assert not pf.supports_async()
+    with pytest.raises(ValueError, match="LOW_LATENCY_ASYNC_VERIFIED"):
+        FusedMoEModularKernel(pf, BatchedTritonExperts(), micro_batches=2)
+    for _, out in _run(pf, batches, num_experts, overlapped=False):
+        assert torch.isfinite(out.float()).all()
 
 
 @pytest.mark.gpu
@@ -193,6 +250,31 @@ def test_async_equals_sync_on_deep_ep_low_latency_world_1():
 def test_async_equals_sync_on_deep_ep_two_ranks(backend):
     # DeepEP v1.2.1 runs high-throughput intranode with 2 to 8 ranks only.
     run_distributed(_deep_ep_worker, 2, backend, backend="nccl")
+
+
+class _NamedLikeDeepEP(TorchAll2AllBuffer):
+    """A torch buffer that is_deep_ep_buffer takes for DeepEP's own."""
+
+    __module__ = "deep_ep.buffer"
+
+
+def _refusal_worker(rank: int, world: int) -> None:
+    def ll(buffer_class):
+        buffer = buffer_class(low_latency_mode=True, num_max_dispatch_tokens_per_rank=N,
+                              hidden=2048, num_experts=E_LOCAL)
+        return DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=1, max_tokens_per_rank=N)
+
+    pf, torch_pf = ll(_NamedLikeDeepEP), ll(TorchAll2AllBuffer)
+    assert torch_pf.supports_async() and not pf.supports_async()
+    with pytest.raises(ValueError, match="supports_async.. is False: DeepEP's low-latency "
+                                         "receive-hook mode has not yet passed"):
+        FusedMoEModularKernel(pf, BatchedTritonExperts(), micro_batches=2)
+    deep_ep_compat.LOW_LATENCY_ASYNC_VERIFIED = True  # this rank's process only
+    assert pf.supports_async()
+
+
+def test_low_latency_async_over_deep_ep_waits_for_its_verification():
+    run_distributed(_refusal_worker, 1)
 
 
 def test_a_completion_runs_once_and_reports_pending():

@@ -69,6 +69,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from vllm_moe_fixes._compat.deep_ep import is_deep_ep_buffer, low_latency_async_verified
 from vllm_moe_fixes._validate import check_bool, check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed.collectives import (
     NO_STAMP,
@@ -425,7 +426,7 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
 
 
 def _combined() -> None:
-    """The receiver of a combine that has completed."""
+    """The receiver of a low-latency call that has completed."""
 
 
 class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
@@ -441,6 +442,15 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     call waited for at once on an H200, on the host and in a CUDA graph
     (benchmarks/bench_decode.py), and which lets the experts of another micro-batch run between
     the two kernels.
+
+    One low-latency call in flight: DeepEP flips between its two buffers at every call and each
+    send zeroes the other buffer's arrival counters, which the previous call's receive kernel
+    waits on (_compat.deep_ep.LOW_LATENCY_ASYNC_VERIFIED cites the lines). So every call (sync or
+    async, dispatch or combine) first runs the receive hook still pending, and a receiver whose
+    hook already ran returns at once: in the kernel's two-batch schedule dispatch 1 stays in
+    flight during experts 0 and combine 0 during experts 1. Over a real deep_ep.Buffer this path
+    has not yet passed on a GPU, so supports_async() is False there (why_not_async says why) and
+    two-batch overlap is refused; over TorchAll2AllBuffer it is True.
 
     Arguments:
         buffer: a low-latency ``deep_ep.Buffer`` or ``TorchAll2AllBuffer(low_latency_mode=True)``
@@ -468,9 +478,38 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         check_bool("use_fp8_dispatch", use_fp8_dispatch)
         self.max_tokens_per_rank_ = max_tokens_per_rank
         self.use_fp8_dispatch = use_fp8_dispatch
+        self._unreceived = None  # the receive hook of the low-latency call in flight
 
     def max_num_tokens_per_rank(self) -> int:
         return self.max_tokens_per_rank_
+
+    def supports_async(self) -> bool:
+        return self.why_not_async() is None
+
+    def why_not_async(self) -> str | None:
+        """Why prepare_async / finalize_async may not overlap here (None: they may)."""
+        if is_deep_ep_buffer(self.buffer) and not low_latency_async_verified():
+            return ("DeepEP's low-latency receive-hook mode has not yet passed the async "
+                    "bit-equality test on a GPU with this prepare/finalize "
+                    "(vllm_moe_fixes._compat.deep_ep.LOW_LATENCY_ASYNC_VERIFIED)")
+        return None
+
+    def _receive_in_flight(self) -> None:
+        """Run the pending receive hook, if any: before another low-latency call (class
+        docstring), or from its receiver."""
+        hook, self._unreceived = self._unreceived, None
+        if hook is not None:
+            hook()
+
+    def _receiver_of(self, hook):
+        """A receiver that runs ``hook`` unless a later call already ran it."""
+        self._unreceived = hook
+
+        def receive() -> None:
+            if self._unreceived is hook:
+                self._receive_in_flight()
+
+        return receive
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input) -> PrepareResult:
@@ -486,7 +525,7 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         dispatch) returns a1q fp8 [E_l, R*N, K], a1q_scale f32 [E_l, R*N, K/128] (MN-major per
         expert) and expert_num_tokens int32 [E_l]; rows past a count are undefined. expert_map
         is not used: DeepEP places expert g on rank g // E_l. The buffer holds two dispatches'
-        results (DeepEP's two low-latency buffers): at most two micro-batches in flight.
+        results (DeepEP's two low-latency buffers), but one call's transfer in flight (class docstring).
         """
         return self._dispatch(a1, topk_weights, topk_ids, num_experts,
                               apply_router_weight_on_input, hook=True)
@@ -502,14 +541,15 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
             topk_ids.to(torch.int64).contiguous()
         self._stamp_pass()
-        recv_x, counts, handle, _, received = self.buffer.low_latency_dispatch(
+        self._receive_in_flight()
+        recv_x, counts, handle, _, hook_fn = self.buffer.low_latency_dispatch(
             a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch,
             round_scale=self.use_fp8_dispatch and self.use_ue8m0, return_recv_hook=hook)
         pending = self._pending = (handle, ids)
+        received = _combined if hook_fn is None else self._receiver_of(hook_fn)
 
         def receive() -> PrepareResult:
-            if received is not None:
-                received()
+            received()
             a1q, a1s = recv_x if self.use_fp8_dispatch else quant_batched_fp8(
                 recv_x, use_ue8m0=self.use_ue8m0)
             return PrepareResult(a1q=a1q, a1q_scale=a1s, expert_num_tokens=counts,
@@ -544,9 +584,10 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             weights = topk_weights
         else:
             weights = topk_weights.float().contiguous()
-        _, _, received = self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle,
-                                                         out=output, return_recv_hook=hook)
-        return received if received is not None else _combined
+        self._receive_in_flight()
+        _, _, hook_fn = self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle,
+                                                        out=output, return_recv_hook=hook)
+        return _combined if hook_fn is None else self._receiver_of(hook_fn)
 
 
 class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
