@@ -69,14 +69,29 @@ def test_route_triton_matches_ref(kernel_device, rows, k, local_num_experts, num
 
 
 def test_route_drops_overflowing_duplicates(kernel_device):
-    """A token listing one expert in every slot: the expert's slice holds R*N rows, the rest drop."""
-    ids = torch.zeros(2, 3, dtype=torch.int64, device=kernel_device)
+    """A token listing one expert in every slot: the expert's slice holds R*N rows, the rest drop,
+    marked recv_row -1; pairs for other ranks' experts keep recv_row 0."""
+    ids = torch.tensor([[0, 0, 0], [0, 0, 5]], dtype=torch.int64, device=kernel_device)
     for fn in (ll.route_triton, ll.route_ref):
-        out = (torch.empty(2, 3, dtype=torch.bool, device=kernel_device),
-               *(torch.empty(2, 3, dtype=torch.int64, device=kernel_device) for _ in range(3)),
-               torch.empty(1, dtype=torch.int32, device=kernel_device))
+        out = (torch.ones(2, 3, dtype=torch.bool, device=kernel_device),
+               *(torch.full((2, 3), 9, dtype=torch.int64, device=kernel_device) for _ in range(3)),
+               torch.full((1,), 9, dtype=torch.int32, device=kernel_device))
         fn(ids, 0, 1, *out)
-        assert out[0].sum() == 2 and out[-1].tolist() == [2] and sorted(out[2][out[0]].tolist()) == [0, 1]
+        served, _, pos, recv_row, count = out
+        assert served.tolist() == [[True, True, False], [False, False, False]]
+        assert pos[served].tolist() == [0, 1] and count.tolist() == [2]
+        assert recv_row.tolist() == [[0, 1, -1], [-1, -1, 0]]
+
+
+def test_busiest_expert_and_capacity():
+    ids = torch.tensor([[2, 2, -1], [2, 0, 1], [-1, -1, -1]])
+    assert ll.busiest_expert(ids, 4).tolist() == [3, 2]
+    assert ll.busiest_expert(ids[:0], 4).tolist() == [0, 0]  # no tokens
+    ll.check_expert_capacity([[3, 2], [1, 0]], 3)
+    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=2 \(rank 0 sends 3 to "
+                                         r"expert 2; rank 1 sends 4 to expert 0\): a token's top-k "
+                                         r"repeats an expert"):
+        ll.check_expert_capacity([[3, 2], [4, 0], [2, 1]], 2)
 
 
 def _routing(seed, rows, k, local_num_experts, device):
@@ -155,6 +170,23 @@ def test_partial_sums_triton_matches_ref(kernel_device, rows, k, local_num_exper
         sums = torch.empty(rows, hidden, device=kernel_device)
         ll.partial_sums_ref(x, recv_row, served, w, sums)
         assert torch.equal(want, sums.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_partial_sums_dropped_slot_is_nan(kernel_device, out_dtype):
+    """A slot dropped by route (recv_row -1) makes its whole row NaN; the other rows are exact."""
+    rows, k, hidden = 3, 3, 160
+    ids = torch.tensor([[0, 0, 0], [1, 1, -1], [1, 0, -1]], device=kernel_device)
+    served, _, _, recv_row, _ = ll.route(ids, 0, 2)
+    assert (recv_row < 0).sum() == 1  # expert 0 holds 3 rows: its fourth pair, (2, 1), drops
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * rows, hidden, generator=g).to(torch.bfloat16).to(kernel_device)
+    w = torch.rand(rows, k, generator=g).to(kernel_device)
+    got, want = (torch.zeros(rows, hidden, dtype=out_dtype, device=kernel_device) for _ in range(2))
+    ll.partial_sums_triton(x, recv_row, served, w, got)
+    ll.partial_sums_ref(x, recv_row, served, w, want)
+    assert torch.isnan(got[2]).all() and torch.isnan(want[2]).all()
+    assert torch.isfinite(got[:2]).all() and torch.equal(got[:2], want[:2])
 
 
 @pytest.mark.parametrize("tokens, n, hidden, k, round_scale", [

@@ -343,6 +343,35 @@ def test_low_latency_two_results_held(world):
     run_distributed(_ll_two_results_worker, world)
 
 
+def _ll_repeated_expert_worker(rank, world):
+    """Zero ids with k = 3 (a dummy run's routing): each slot is one row for expert 0, as in DeepEP.
+    Up to N rows from each rank: every slot counted in the combine. More from one rank than
+    DeepEP's N rows per (expert, source rank): every rank refuses, naming the rank."""
+    n, E, k = 16, 4, 3
+    buf = TorchAll2AllBuffer(None, low_latency_mode=True, num_max_dispatch_tokens_per_rank=n,
+                             hidden=H_LL, num_experts=E)
+    g = torch.Generator().manual_seed(rank)
+    for tokens, refused in ((5, False), (5 + 3 * rank, True)):  # 15 pairs a rank; 24 on rank 1
+        x = torch.randn(tokens, H_LL, generator=g).to(torch.bfloat16)
+        idx = torch.zeros(tokens, k, dtype=torch.int64)
+        w = torch.rand(tokens, k, generator=g)
+        if refused:
+            with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=16 \(rank 1 "
+                                                 r"sends 24 to expert 0\): a token's top-k repeats"):
+                buf.low_latency_dispatch(x, idx, n, E, use_fp8=False)
+            continue
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, n, E, use_fp8=False)
+        assert count.tolist() == ([world * tokens * k, 0] if rank == 0 else [0, 0])
+        out = torch.full_like(x, float("nan"))
+        buf.low_latency_combine(recv, idx, w, handle, out=out)
+        want = (x.float() * w.sum(1, keepdim=True))
+        torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=1e-2)
+
+
+def test_low_latency_repeated_expert():
+    run_distributed(_ll_repeated_expert_worker, 2)
+
+
 def test_needs_distributed_and_sizes():
     with pytest.raises(ValueError, match="initialised"):
         TorchAll2AllBuffer(None)

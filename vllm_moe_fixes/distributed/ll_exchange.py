@@ -9,13 +9,19 @@ on the device).
     route          gathered ids [R*N, k] -> per (source, token, slot) pair: served here, local
                    expert, row in that expert's [R*N] slice (numbered by a cumulative sum, in
                    source, token, slot order); received rows per local expert; one Triton
-                   program walks the pairs
+                   program walks the pairs. A pair past its expert's R*N rows (only a top-k that
+                   repeats an expert gets there) is dropped and marked recv_row -1
     scatter_rows   each served pair's row -> recv_x [E_l, R*N, H] (and its scales -> the
                    column-major [E_l, R*N, H/128], same launch); one Triton program per
                    (pairs, columns) tile
     partial_sums   expert outputs [E_l*R*N, H] -> per received (source, token) the weighted sum
-                   over the slots served here, float32 [R*N, H]; one Triton program per
-                   (row, columns) tile reads only the served rows
+                   over the slots served here, float32 [R*N, H] (NaN where a slot was dropped);
+                   one Triton program per (row, columns) tile reads only the served rows
+
+DeepEP's low-latency receive buffer holds N rows per (local expert, source rank), one per
+(token, slot): a top-k that repeats an expert sends one copy per slot, so a rank sending more than
+N copies to one expert overruns it. ``check_expert_capacity`` refuses that where values are read;
+where they are not, a dropped slot makes its token's output NaN rather than silently short.
 
 ``pack`` (fp8), ``route``, ``scatter_rows`` and ``partial_sums`` run Triton on CUDA tensors
 (int64 offsets) and their torch references (``*_ref``) on CPU tensors; the tests compare the two.
@@ -200,6 +206,30 @@ class LLWorkspace:
             torch.empty(rows, h, dtype=torch.float32, device=device) for _ in range(2))
 
 
+# ----------------------------------------------------------------- capacity
+def busiest_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [2] on topk_idx's device: (the most (token, slot) pairs of topk_idx int64 [T, k]
+    (ids in [-1, num_experts)) that select one expert, that expert). No host read."""
+    counts = torch.bincount(topk_idx.reshape(-1) + 1, minlength=num_experts + 1)[1:]
+    most, expert = counts.max(0)
+    return torch.stack([most, expert])
+
+
+def check_expert_capacity(busiest: list[list[int]], n: int) -> None:
+    """ValueError naming every source rank whose ``busiest_expert`` row [count, expert] (row r:
+    rank r's) exceeds n = num_max_dispatch_tokens_per_rank: DeepEP's low-latency receive buffer
+    holds n rows per (expert, source rank), so the excess would overrun it."""
+    over = [(rank, count, expert) for rank, (count, expert) in enumerate(busiest) if count > n]
+    if over:
+        sends = "; ".join(f"rank {rank} sends {count} to expert {expert}"
+                          for rank, count, expert in over)
+        raise ValueError(
+            f"low-latency dispatch: more (token, slot) pairs for one expert than "
+            f"num_max_dispatch_tokens_per_rank={n} ({sends}): a token's top-k repeats an expert, "
+            f"one copy per slot, and DeepEP's receive buffer holds N rows per expert and source "
+            f"rank")
+
+
 # ----------------------------------------------------------------- routing
 @triton.jit
 def _route_kernel(ids_ptr, served_ptr, local_ptr, pos_ptr, row_ptr, count_ptr, num_pairs,
@@ -218,13 +248,15 @@ def _route_kernel(ids_ptr, served_ptr, local_ptr, pos_ptr, row_ptr, count_ptr, n
         hits = (local[:, None] == e[None, :]) & served[:, None]
         running = tl.cumsum(hits.to(tl.int32), axis=0) + counts[None, :]
         pos = (tl.sum(tl.where(hits, running, 0), axis=1) - 1).to(tl.int64)
-        served = served & (pos < rows_per_expert)  # only a token listing one expert twice overflows
+        dropped = served & (pos >= rows_per_expert)  # only a top-k repeating an expert gets here
+        served = served & ~dropped
         local = tl.where(served, local, 0)
         pos = tl.where(served, pos, 0)
         tl.store(served_ptr + pairs, served.to(tl.uint8), mask=in_range)
         tl.store(local_ptr + pairs, local, mask=in_range)
         tl.store(pos_ptr + pairs, pos, mask=in_range)
-        tl.store(row_ptr + pairs, local * rows_per_expert + pos, mask=in_range)
+        tl.store(row_ptr + pairs, tl.where(dropped, -1, local * rows_per_expert + pos),
+                 mask=in_range)
         counts += tl.sum(hits.to(tl.int32), axis=0)
     tl.store(count_ptr + e, tl.minimum(counts, rows_per_expert), mask=e < local_num_experts)
 
@@ -258,7 +290,7 @@ def route_ref(ids: torch.Tensor, rank: int, local_num_experts: int, served: torc
     served.copy_(here & (rank_in_expert < rows))
     local.copy_(torch.where(served, expert, 0))
     pos.copy_(torch.where(served, rank_in_expert, 0))
-    recv_row.copy_(local * rows + pos)
+    recv_row.copy_(torch.where(here & ~served, -1, local * rows + pos))
     recv_count.copy_(running[-1].clamp(max=rows))
 
 
@@ -268,7 +300,9 @@ def route(ids: torch.Tensor, rank: int, local_num_experts: int, out: tuple | Non
     Returns, each [R*N, k] and contiguous: served (bool: the pair's expert lives on ``rank``),
     local (int64: its local expert), pos (int64: its row in that expert's [R*N] slice; pairs are
     numbered in (source, token, slot) order), recv_row (int64: local * R*N + pos), all 0 where not
-    served; and recv_count (int32 [E_l], rows per local expert). ``out``: those five tensors,
+    served, except recv_row -1 for a pair dropped past its expert's R*N rows (a top-k repeating
+    an expert); and recv_count (int32 [E_l], rows per local expert, at most R*N). ``out``: those
+    five tensors,
     written and returned (None: allocated). No host sync on CUDA (one Triton program), the torch
     reference on the CPU."""
     if out is None:
@@ -376,10 +410,10 @@ def _partial_sums_kernel(x_ptr, row_ptr, served_ptr, w_ptr, out_ptr, hidden, x_s
         row = tl.load(row_ptr + r * TOPK + j)
         w = tl.where(served, tl.load(w_ptr + r * TOPK + j), 0.0)
         # A slot served elsewhere is not read (no column is in range): it adds exactly 0 even
-        # over NaN rows.
+        # over NaN rows. A dropped slot (row -1) adds NaN: its token lost a contribution.
         in_range = cols < tl.where(served, hidden, 0)
         v = tl.load(x_ptr + row * x_stride_row + cols, mask=in_range, other=0.0).to(tl.float32)
-        acc = acc + v * w
+        acc = tl.where(row < 0, float("nan"), acc + v * w)
     if ROUND_BF16:  # interpreter only: its bfloat16 cast truncates
         acc = round_to_bf16_grid(acc)
     tl.store(out_ptr + r * out_stride_row + cols, acc, mask=cols < hidden)
@@ -389,8 +423,8 @@ def partial_sums_triton(x_rows: torch.Tensor, recv_row: torch.Tensor, served: to
                         weights: torch.Tensor, out: torch.Tensor) -> None:
     """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    x_rows bf16 [E_l*R*N, H] (unit column stride); recv_row int64, served bool, weights float32,
-    all [R*N, k] contiguous; out float32 or bf16 [R*N, H] (unit column stride), written (a bf16
+    x_rows bf16 [E_l*R*N, H] (unit column stride); recv_row int64 (-1: dropped), served bool,
+    weights float32, all [R*N, k] contiguous; out float32 or bf16 [R*N, H] (unit column stride), written (a bf16
     out gets the float32 sums rounded to nearest even)."""
     rows, topk = served.shape
     hidden = x_rows.shape[1]
@@ -410,8 +444,9 @@ def partial_sums_ref(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch
     sums = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
     sums.zero_()
     for j in range(served.shape[1]):
-        got = x_rows.index_select(0, recv_row[:, j]).float() * weights[:, j:j + 1]
+        got = x_rows.index_select(0, recv_row[:, j].clamp(min=0)).float() * weights[:, j:j + 1]
         sums += torch.where(served[:, j:j + 1], got, 0.0)
+        sums[recv_row[:, j] < 0] = float("nan")
     out.copy_(sums)
 
 
@@ -421,7 +456,7 @@ def partial_sums(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Ten
     x_rows[recv_row[r, j]], float32 [R*N, H] (``out``, float32 or bf16, written and returned;
     None: allocated float32).
     Slots served elsewhere contribute exact zeros whatever their rows hold (a zero weight alone
-    would not cancel NaN garbage)."""
+    would not cancel NaN garbage); a dropped slot (recv_row -1) makes its row NaN."""
     if out is None:
         out = torch.empty(served.shape[0], x_rows.shape[1], dtype=torch.float32,
                           device=x_rows.device)

@@ -25,7 +25,11 @@ graph can capture it (the device-side steps live in ``ll_exchange``):
         all_gather -> [R, N, row]: every rank sees every rank's slab
         route: the (source, token, slot) pairs whose expert lives here, numbered per expert by a
             cumulative sum (source rank, then token order), give each row's place in
-            recv_x [E_l, R*N, H]; a Triton kernel copies the served rows there
+            recv_x [E_l, R*N, H]; a Triton kernel copies the served rows there. As in DeepEP, a
+            top-k that repeats an expert sends one row per slot; where values are checked, a
+            rank sending more than N rows to one expert (DeepEP's receive capacity per expert
+            and source rank) is refused on every rank, elsewhere a row past its expert's R*N
+            is dropped and its token's output made NaN
     low_latency_combine (one all-gather of the weights [N, k], one all_to_all_single):
         per source rank s and token t: partial[s, t] = sum of w * expert output over the slots
             served here (float32 [N, H]), sent back to s, summed over ranks on s
@@ -532,7 +536,10 @@ class TorchAll2AllBuffer:
         Arguments:
             x: bf16 [T, H] contiguous, T <= num_max_dispatch_tokens_per_rank; H one of DeepEP's LL
                 hidden sizes.
-            topk_idx: int64 [T, k] contiguous global expert ids, -1 = none; k <= 11.
+            topk_idx: int64 [T, k] contiguous global expert ids, -1 = none; k <= 11. An id
+                repeated within a token's top-k is sent once per slot (as DeepEP does); no
+                expert may get more than N (token, slot) pairs from one rank (DeepEP's receive
+                capacity): checked where values are (every rank raises ValueError).
             num_max_dispatch_tokens_per_rank: N, identical on every rank.
             num_experts: E, a multiple of the rank count R.
             cumulative_local_expert_recv_stats: optional int32 [E_l] contiguous; recv_count is
@@ -682,18 +689,21 @@ class TorchAll2AllBuffer:
         checks.check_wait_stats("dispatch_wait_recv_cost_stats", wait_stats, self.group_size)
         stamp, self.pass_stamp = self.pass_stamp, NO_STAMP  # one dispatch's
         if check_values:
-            self._check_same_n(n, stamp, x.device)
+            self._check_same_n(n, stamp, ll.busiest_expert(topk_idx, num_experts))
         return local_num_experts
 
-    def _check_same_n(self, n: int, stamp: tuple, device: torch.device) -> None:
-        """Every rank must pass the same N (the message size) and be at the same pass of a layer
-        call (stamp: this dispatch's PassStamp): gathered and compared."""
-        got = self._all_gather(self._stamp_message(stamp, device, n=n)[0]).tolist()
+    def _check_same_n(self, n: int, stamp: tuple, busiest: torch.Tensor) -> None:
+        """Every rank must pass the same N (the message size), be at the same pass of a layer
+        call (stamp: this dispatch's PassStamp) and send at most N rows to each expert (busiest:
+        ``ll.busiest_expert`` of its ids): gathered and compared, so every rank raises alike."""
+        message = self._stamp_message(stamp, busiest.device, n=n)[0]
+        got = self._all_gather(torch.cat([message, busiest])).tolist()
         if len({row[0] for row in got}) > 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: "
                              f"{[row[0] for row in got]}")
+        ll.check_expert_capacity([row[2:] for row in got], n)
         if len({row[1] for row in got}) > 1:
-            self._check_same_pass(stamp, device)
+            self._check_same_pass(stamp, busiest.device)
 
     def _check_ll_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats, async_finish,
                           return_recv_hook) -> None:
