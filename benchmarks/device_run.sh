@@ -61,9 +61,12 @@ stage_tests() {
         wait "${pids[$i]}" || tested=$?
         tail -n 12 "$OUT/gpu_tests_$i.log" >>"$OUT/gpu_tests.log"
     done
-    # Tests that read the device's free memory run last, alone on the GPU.
+    # Tests that read the device's free memory run last, alone on the GPU (status 5: none
+    # collected, as where deep_ep is missing).
+    local alone=0
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu_alone \
-        tests >"$OUT/gpu_tests_alone.log" 2>&1 || tested=$?
+        tests >"$OUT/gpu_tests_alone.log" 2>&1 || alone=$?
+    (( alone == 0 || alone == 5 )) || tested=$alone
     tail -n 12 "$OUT/gpu_tests_alone.log" >>"$OUT/gpu_tests.log"
     cat "$OUT/gpu_tests.log"
     if (( built != 0 )); then
