@@ -148,7 +148,7 @@ def encode_verdict(rank: int, group_size: int, refusal: BaseException | None) ->
     return (group_size - rank) * _VERDICT_CODES + refusal_code(refusal)
 
 
-def raise_verdict(verdict: int, group_size: int, rank: int,
+def raise_verdict(verdict: int, rank: int, group_size: int,
                   refusal: BaseException | None) -> None:
     """After the all-reduce: raise CollectiveRefusal on every rank when any rank refused (the
     reduced `verdict`); return when none did. rank: this rank; refusal: this rank's own error."""

@@ -190,7 +190,7 @@ def _agree(refusal: Exception | None, group, rank: int, world: int, device) -> N
                            device=device)
     run_collective(dist.all_reduce, verdict, op=dist.ReduceOp.MAX, group=group)
     try:
-        raise_verdict(int(verdict.item()), world, rank, refusal)
+        raise_verdict(int(verdict.item()), rank, world, refusal)
     except CollectiveRefusal as agreed:
         words = [None] * world
         dist.all_gather_object(words, None if refusal is None else str(refusal), group=group)

@@ -132,7 +132,7 @@ def group_max_tokens(group: dist.ProcessGroup | None, num_tokens: int,
     run_collective(dist.all_reduce, counts, op=dist.ReduceOp.MAX, group=group)
     got = counts.tolist()
     if got[3]:  # a rank refused: raise on every rank before anything else is compared
-        raise_verdict(got[3], dist.get_world_size(group), dist.get_rank(group), refusal)
+        raise_verdict(got[3], dist.get_rank(group), dist.get_world_size(group), refusal)
     if chunk_size is not None and got[1] != -got[2]:
         raise chunk_size_mismatch(f"{-got[2]} on some ranks and {got[1]} on others (this rank: "
                                   f"{chunk_size})")
