@@ -342,15 +342,17 @@ def test_plots_pick_the_series_of_each_results_file(tmp_path, capfd):
     assert "gemm_sweep" not in out
 
 
-def test_readme_lists_the_plan_model_fields_and_its_example_is_the_preset(tmp_path, capsys):
+def test_design_notes_list_the_plan_model_fields_and_its_example_is_the_preset(tmp_path, capsys):
+    """docs/design.md ("Model presets of `plan`", where the README points) names every field of
+    a model file, and its DeepSeek-R1 example plans as the preset."""
     import dataclasses
     import re
 
     from vllm_moe_fixes.config import PRESETS, MoEModelConfig
-    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    notes = open(os.path.join(REPO, "docs", "design.md"), encoding="utf-8").read()
     for field in dataclasses.fields(MoEModelConfig):
-        assert f"`{field.name}`" in readme, field.name
-    example = re.search(r"DeepSeek-R1 is `(\{.*?\})`", readme, re.S).group(1)
+        assert f"`{field.name}`" in notes, field.name
+    example = re.search(r"DeepSeek-R1 is `(\{.*?\})`", notes, re.S).group(1)
     path = tmp_path / "deepseek-r1.json"
     path.write_text(example)
     assert main(["plan", "--model", str(path), "--dp", "32", "--json"]) == 0
