@@ -76,6 +76,19 @@ def init_workspace_manager() -> None:
     workspace.init_workspace_manager(device)
 
 
+def init_one_rank_vllm(device):
+    """Inside the current vLLM config: vLLM's world of one rank (gloo on the CPU, NCCL on a GPU)
+    and its workspace manager; returns the block-FP8 ``Fp8Config`` of the layers the tests build."""
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    parallel_state.init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo" if device == "cpu" else "nccl")
+    parallel_state.initialize_model_parallel(1, 1)
+    init_workspace_manager()  # vLLM's kernel takes its workspaces from it off the CPU
+    return Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                     weight_block_size=[128, 128])
+
+
 @pytest.fixture(autouse=True)
 def workspace_manager():
     init_workspace_manager()

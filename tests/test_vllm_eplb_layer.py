@@ -70,14 +70,12 @@ def _replicated_and_plain(rank, world_size, M, device="cpu"):
     ``device`` (world size 1: gloo on the CPU, NCCL on a GPU, where vLLM's own Triton kernel
     maps the ids)."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
     from vllm.model_executor.layers.fused_moe.router import base_router
-    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
     from vllm.platforms import current_platform
 
-    from test_vllm_adapters import init_workspace_manager
+    from test_vllm_adapters import init_one_rank_vllm
     from vllm_moe_fixes.integrations.vllm import plugin
     from vllm_moe_fixes.testing import random_fp8_moe_weights
 
@@ -88,12 +86,7 @@ def _replicated_and_plain(rank, world_size, M, device="cpu"):
     config = VllmConfig()
     config.parallel_config.enable_eplb = True  # ParallelConfig refuses it off CUDA when built
     with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo" if device == "cpu" else "nccl")
-        parallel_state.initialize_model_parallel(1, 1)
-        init_workspace_manager()  # vLLM's kernel takes its workspaces from it off the CPU
-        quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
-                          weight_block_size=[128, 128])
+        quant = init_one_rank_vllm(device)
         with torch.device(device):
             replicated = FusedMoEFactory(num_experts=E, top_k=TOPK, hidden_size=K,
                                          intermediate_size=I, params_dtype=torch.bfloat16,

@@ -125,10 +125,8 @@ def _layer_through_the_hook(rank, world_size, device="cpu", sizes=(E, K, I, TOPK
     experts class it got."""
     E, K, I, TOPK = sizes
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
-    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
     from vllm.platforms import current_platform
 
     from test_vllm_adapters import our_no_ep
@@ -142,13 +140,8 @@ def _layer_through_the_hook(rank, world_size, device="cpu", sizes=(E, K, I, TOPK
     plugin.logger.setLevel(logging.INFO)
     config = VllmConfig()
     with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo" if device == "cpu" else "nccl")
-        parallel_state.initialize_model_parallel(1, 1)
-        from test_vllm_adapters import init_workspace_manager
-        init_workspace_manager()  # vLLM's kernel takes its workspaces from it off the CPU
-        quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
-                          weight_block_size=[128, 128])
+        from test_vllm_adapters import init_one_rank_vllm
+        quant = init_one_rank_vllm(device)
 
         def layer(name):
             with torch.device(device):
