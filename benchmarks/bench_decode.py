@@ -10,10 +10,10 @@ DeepSeek-V3 expert shapes: K 7168, I 2048, 32 local experts, top-8, capacity N =
 rank; FusedMoEModularKernel(DeepEPLLPrepareAndFinalize, BatchedDeepGemmExperts)
 (BatchedTritonExperts where DeepGEMM is not usable) over each buffer of --buffers: `deepep`
 (deep_ep.Buffer in low-latency mode, make_all2all_buffer("deepep_low_latency")) and `naive`
-(TorchAll2AllBuffer, what make_all2all_buffer(None) gives by default, as the README's example builds
-it). The layer is called as the README calls it (without max_tokens_across_ranks: `none`) and with
-max_tokens_across_ranks=M (`given`); the two are timed in alternating rounds in one process, so that
-warm-up, clocks and the allocator treat them alike.
+(TorchAll2AllBuffer, what make_all2all_buffer(None) gives by default, as docs/design.md's decode
+example builds it). The layer is called as that example calls it (without max_tokens_across_ranks:
+`none`) and with max_tokens_across_ranks=M (`given`); the two are timed in alternating rounds in one
+process, so that warm-up, clocks and the allocator treat them alike.
 
 Columns per (buffer, tokens, variant):
   loop_us   per call in a launch loop with one synchronisation at the end (best of the rounds):

@@ -161,7 +161,8 @@ class FusedMoEModularKernel:
                 f"{type(prepare_finalize).__name__}.finalize does not take the keyword "
                 "output_is_reduced, so it cannot tell a reduced [M', K] output from [M', k, K] "
                 "rows: add `*, output_is_reduced: bool = False` to its signature and pass a "
-                "reduced output on unchanged (README, 'Writing a prepare/finalize')")
+                "reduced output on unchanged (docs/design.md, 'Writing a prepare/finalize or "
+                "experts')")
         _check_overlap(prepare_finalize, micro_batches, comm_sms)
         if comm_sms is not None:
             prepare_finalize.buffer.set_num_sms(comm_sms)
