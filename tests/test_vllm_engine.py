@@ -59,7 +59,7 @@ def test_engine_with_plugin_matches_vllms_unquantised_run(tmp_path, mode):
     served = [line for line in log.splitlines()
               if "runs vllm_moe_fixes VllmNoEPPrepareAndFinalize + VllmTritonExperts" in line]
     assert len(served) == LAYERS * len(FAMILIES), log[-5000:]
-    assert "Unknown vLLM environment variable detected: VLLM_MOE_FIXES" in log  # docs/design.md says so
+    assert "Unknown vLLM environment variable detected: VLLM_MOE_FIXES" in log  # docs/design.md says
     # vLLM's CPU worker warms a compiled model up with its profile run, traced by dynamo
     warmed_up = log.count("Warming up done.")
     assert warmed_up == (len(FAMILIES) if mode == "compiled" else 0), log[-5000:]
