@@ -14,9 +14,15 @@ on the device).
     scatter_rows   each served pair's row -> recv_x [E_l, R*N, H] (and its scales -> the
                    column-major [E_l, R*N, H/128], same launch); one Triton program per
                    (pairs, columns) tile
-    partial_sums   expert outputs [E_l*R*N, H] -> per received (source, token) the weighted sum
-                   over the slots served here, float32 [R*N, H] (NaN where a slot was dropped);
-                   one Triton program per (row, columns) tile reads only the served rows
+    partial_sums   rows [P, H] and a row per (token, slot) [T, k] -> per token the weighted sum
+                   over its slots, added in slot order in float32 (NaN where a slot was
+                   dropped), rounded once into a bf16 out; one Triton program per (row, columns)
+                   tile reads only the rows it sums. The combine runs it twice: with unit
+                   weights on the serving rank (each served pair's expert output row, unweighted,
+                   as DeepEP sends it back), then on the source rank over the k rows that came
+                   back, so a token's output does not depend on which rank served a slot
+    slot_source_rows  this rank's dispatched ids [T, k] -> each (token, slot)'s row in the
+                   received [R, N, k] blocks (the block of the rank owning its expert)
 
 DeepEP's low-latency receive buffer holds N rows per (local expert, source rank), one per
 (token, slot): a top-k that repeats an expert sends one copy per slot, so a rank sending more than
@@ -175,9 +181,10 @@ class LLWorkspace:
         recv: [E_l, P, H] float8_e4m3fn (fp8) or bf16; recv_bytes: its uint8 view;
             recv_scales: float32 [E_l, P, H/128] column-major in the last two dims (fp8
             only, else None).
-        weights: float32 [N, k], gathered_weights: float32 [P, k], partial and back:
-            float32 [P, H] (all None when R == 1: nothing is exchanged, the combine sums into
-            its output).
+        slot_rows and back: bf16 [P, k, H], each received (source, token, slot) pair's expert
+            output row (sent) and each of this rank's (token, slot) rows from rank s in block s
+            (received); unit_weights: float32 [P*k, 1], ones once the combine fills it (all
+            None when R == 1: nothing is exchanged, the combine sums into its output).
     """
 
     def __init__(self, n: int, num_ranks: int, k: int, h: int, local_num_experts: int,
@@ -199,11 +206,10 @@ class LLWorkspace:
         self.recv_scales = empty_mn_major_scales(
             (local_num_experts, rows, h // SCALE_BLOCK), device,
             tma_aligned=False) if use_fp8 else None
-        self.weights = None if alone else torch.empty(n, k, dtype=torch.float32, device=device)
-        self.gathered_weights = None if alone else torch.empty(rows, k, dtype=torch.float32,
-                                                               device=device)
-        self.partial, self.back = (None, None) if alone else (
-            torch.empty(rows, h, dtype=torch.float32, device=device) for _ in range(2))
+        self.slot_rows, self.back = (None, None) if alone else (
+            torch.empty(rows, k, h, dtype=torch.bfloat16, device=device) for _ in range(2))
+        self.unit_weights = None if alone else torch.empty(rows * k, 1, dtype=torch.float32,
+                                                           device=device)
 
 
 # ----------------------------------------------------------------- capacity
@@ -463,3 +469,14 @@ def partial_sums(x_rows: torch.Tensor, recv_row: torch.Tensor, served: torch.Ten
     launch = partial_sums_triton if x_rows.is_cuda else partial_sums_ref
     launch(x_rows, recv_row, served, weights, out)
     return out
+
+
+def slot_source_rows(ids: torch.Tensor, n: int, local_num_experts: int) -> torch.Tensor:
+    """Where each (token, slot) of this rank's dispatched ids int64 [T, k] (-1: no slot) came
+    back in the combine's received bf16 [R, N, k, H] viewed as [R*N*k, H]: the block of the
+    rank that owns the slot's expert, row (token, slot) in it; int64 [T, k], 0 where the id is
+    -1 (not read). No host sync."""
+    t, k = ids.shape
+    own = torch.arange(t * k, device=ids.device).view(t, k)
+    return torch.where(ids >= 0, ids.div(local_num_experts, rounding_mode="floor") * (n * k)
+                       + own, 0)

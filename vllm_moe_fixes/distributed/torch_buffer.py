@@ -30,9 +30,11 @@ graph can capture it (the device-side steps live in ``ll_exchange``):
             rank sending more than N rows to one expert (DeepEP's receive capacity per expert
             and source rank) is refused on every rank, elsewhere a row past its expert's R*N
             is dropped and its token's output made NaN
-    low_latency_combine (one all-gather of the weights [N, k], one all_to_all_single):
-        per source rank s and token t: partial[s, t] = sum of w * expert output over the slots
-            served here (float32 [N, H]), sent back to s, summed over ranks on s
+    low_latency_combine (one all_to_all_single):
+        each served (source, token, slot) pair's expert output row goes back to its source
+            unweighted (bf16 [N, k, H] per rank); the source sums w * row over its k slots in
+            slot order in float32 and rounds once to bf16, as DeepEP's combine does, so the
+            output does not depend on which rank served a slot
 
     A group of one rank skips the collectives (its all-gather and all-to-all are copies) and its
     combine sums the weighted expert outputs straight into the bf16 output.
@@ -616,7 +618,7 @@ class TorchAll2AllBuffer:
 
         Returns:
             combined_x: bf16 [T, H] = sum over slots j with topk_idx[t, j] >= 0 of
-                topk_weights[t, j] * expert output (float32 accumulation); event; hook (a
+                topk_weights[t, j] * expert output (float32, added in slot order, rounded once); event; hook (a
                 Completion where asked for, else None).
         """
         self._check_ll_combine(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
@@ -629,18 +631,19 @@ class TorchAll2AllBuffer:
             ll.partial_sums(x.view(-1, h), handle.recv_row[:t], handle.served[:t], topk_weights,
                             out)
             return out, *self._ll_completion(_completed, x, async_finish, return_recv_hook)
-        ws.weights[:t] = topk_weights  # rows T..N-1 are never read (their ids are -1)
-        run_collective(_all_gather, ws.gathered_weights, ws.weights, group=self.group)
-        # [R*N, H] float32: block s goes back to rank s, block s of `back` came from rank s.
-        ll.partial_sums(x.view(-1, h), handle.recv_row, handle.served, ws.gathered_weights,
-                        ws.partial)
-        sent = self._start(dist.all_to_all_single, ws.back, ws.partial, group=self.group)
+        # As DeepEP, each served slot's expert output goes back unweighted (bf16 [R*N, k, H],
+        # block s to rank s) and the source weighs and adds its k rows in slot order: a token's
+        # sum does not depend on which rank served which slot.
+        ll.partial_sums(x.view(-1, h), handle.recv_row.view(-1, 1), handle.served.view(-1, 1),
+                        ws.unit_weights.fill_(1.0), ws.slot_rows.view(-1, h))
+        sent = self._start(dist.all_to_all_single, ws.back, ws.slot_rows, group=self.group)
+        ids = ws.send_fields[0][:t]
+        rows, valid = ll.slot_source_rows(ids, n, handle.num_experts // self.group_size), ids >= 0
+        weights = topk_weights.clone()  # the caller may reuse its tensor before the hook runs
 
         def finish() -> None:
             sent()
-            # The sum over source ranks goes into `partial`, dead once the all-to-all has read it.
-            total = torch.sum(ws.back.view(self.group_size, n, h)[:, :t], 0, out=ws.partial[:t])
-            out.copy_(total)
+            ll.partial_sums(ws.back.view(-1, h), rows, valid, weights, out)
 
         return out, *self._ll_completion(finish, x, async_finish, return_recv_hook)
 
