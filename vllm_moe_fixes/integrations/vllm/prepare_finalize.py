@@ -41,7 +41,8 @@ low-latency adapter over a real deep_ep.Buffer until its async path has passed o
 (DeepEPLLPrepareAndFinalize.why_not_async): vLLM's DBO then takes its synchronous path.
 
 Quantisation parameters come in ``quant_config``; a configuration other than block FP8 128x128 with
-dynamic 1x128 activations raises ValueError naming what differs. EPLB routing tables are refused at
+dynamic 1x128 activations raises ValueError naming what differs. vLLM's routing tables (built for
+round-robin placement only, EPLB or not: support.check_no_routing_tables) are refused at
 construction.
 """
 
