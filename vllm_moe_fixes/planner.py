@@ -419,13 +419,13 @@ def _check_redundant(cfg: MoEModelConfig, redundant_experts, ep: int) -> int:
 
 
 def _plan_eplb(cfg: MoEModelConfig, router: SimulatedRouter, without: dict, *, physical: int,
-               ep: int, max_tokens: int, backend: str, layout: str,
+               ep: int, max_tokens: int, num_tokens: int, backend: str, layout: str,
                experts_pass_tokens: int | None, gpu_memory_gib: float) -> dict:
     """The plan's ``eplb`` part: the same dummy run with ``physical`` experts placed by our
     rebalancer. Local experts, weights, DeepEP buffers (the low-latency and V2 ones grow with
     the expert count) and the busiest rank's memory; a flag per input kind where it does not
-    fit in ``gpu_memory_gib``, with the numbers beside those of ``without`` (no EPLB)."""
-    num_tokens = ep * min(max_tokens, envs.VLLM_FUSED_MOE_CHUNK_SIZE)
+    fit in ``gpu_memory_gib``, with the numbers beside those of ``without`` (the loads without
+    EPLB). num_tokens: the group's tokens of one dispatch chunk."""
     sims = {inputs: simulate_eplb_loads(router, ep=ep, num_physical=physical,
                                         num_tokens=num_tokens, inputs=inputs)
             for inputs in INPUTS}
@@ -446,7 +446,7 @@ def _plan_eplb(cfg: MoEModelConfig, router: SimulatedRouter, without: dict, *, p
                       f"{_gib(weight_bytes)}, all-to-all buffer {_gib(deepep['buffer_bytes'])}, "
                       f"one layer {_gib(mem - weight_bytes - deepep['buffer_bytes'])}) vs "
                       f"{gpu_memory_gib:g} GiB; without EPLB "
-                      f"{_gib(without['loads'][inputs]['memory_bytes'])}"}
+                      f"{_gib(without[inputs]['memory_bytes'])}"}
     flags["eplb_deepep_cannot_serve"] = cannot_serve
     return {"redundant_experts": physical - cfg.num_experts, "physical_experts": physical,
             "local_experts": local, "weight_bytes": weight_bytes,
@@ -508,9 +508,9 @@ def make_plan(cfg: MoEModelConfig, *, dp: int, ep: int | None = None, max_tokens
     flags = _raise_flags(cfg, loads, deepep, cannot_serve, ep=ep, max_tokens=max_tokens,
                          gpu_memory_gib=gpu_memory_gib, backend=backend)
     eplb = None if physical is None else _plan_eplb(
-        cfg, router, {"loads": loads}, physical=physical, ep=ep, max_tokens=max_tokens,
-        backend=backend, layout=layout, experts_pass_tokens=experts_pass_tokens,
-        gpu_memory_gib=gpu_memory_gib)
+        cfg, router, loads, physical=physical, ep=ep, max_tokens=max_tokens,
+        num_tokens=ep * dispatch_chunk_tokens, backend=backend, layout=layout,
+        experts_pass_tokens=experts_pass_tokens, gpu_memory_gib=gpu_memory_gib)
     return {
         "model": cfg.to_dict(), "dp": dp, "ep": ep, "max_tokens": max_tokens, "backend": backend,
         "layout": layout, "gpu_memory_gib": gpu_memory_gib, "local_experts": local_num_experts,
