@@ -639,7 +639,8 @@ class TorchAll2AllBuffer:
         sent = self._start(dist.all_to_all_single, ws.back, ws.slot_rows, group=self.group)
         ids = ws.send_fields[0][:t]
         rows, valid = ll.slot_source_rows(ids, n, handle.num_experts // self.group_size), ids >= 0
-        weights = topk_weights.clone()  # the caller may reuse its tensor before the hook runs
+        # an asynchronous call's caller may reuse its weights before the receiver reads them
+        weights = topk_weights.clone() if async_finish or return_recv_hook else topk_weights
 
         def finish() -> None:
             sent()

@@ -393,7 +393,6 @@ class TorchElasticBuffer:
         return n, local_num_experts, alignment
 
 
-
 def _in_order(steps: list[Callable[[], object]]) -> Callable[[], None]:
     """One call running ``steps`` in order."""
     def run() -> None:
