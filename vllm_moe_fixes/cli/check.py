@@ -181,15 +181,15 @@ def _report_vllm_classes() -> list[str]:
     except ImportError as e:
         print(f"  classes   unknown: vllm does not import ({e})")
         return [f"vllm does not import: {e}"]
-    from vllm_moe_fixes.fused_moe import kernel_factory
+    from vllm_moe_fixes.fused_moe import experts_for_format, kernel_factory
 
     print(f"  classes a block-FP8 layer would get (I and K multiples of {SCALE_BLOCK}):")
     for backend, setup in _VLLM_SETUP_OF_BACKEND.items():
         wiring = kernel_factory.prepare_finalize_wiring(
             backend, num_ranks=1 if backend is None else 2, num_experts=2)
         try:
-            experts = kernel_factory.experts_for_format(wiring.cls.activation_format,
-                                                        SCALE_BLOCK, SCALE_BLOCK)
+            experts = experts_for_format(wiring.cls.activation_format, SCALE_BLOCK,
+                                         SCALE_BLOCK)
         except (ImportError, RuntimeError) as e:  # DeepGEMM asked for and not usable here
             print(f"    {setup:<52}none: {e}")
             return [str(e)]
