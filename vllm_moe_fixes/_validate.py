@@ -19,6 +19,14 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a positive int")
 
 
+def check_nonnegative_int(name: str, value, *, or_none: bool = False) -> None:
+    """Raise ValueError unless `value` is an int >= 0 (bool refused), or None where `or_none`."""
+    if or_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be {'None or ' if or_none else ''}an int >= 0")
+
+
 def check_bool(name: str, value) -> None:
     """Raise ValueError unless `value` is a bool (1 and 0 are refused: a flag is not a count)."""
     if not isinstance(value, bool):

@@ -53,7 +53,7 @@ import numpy as np
 
 from vllm_moe_fixes import envs
 from vllm_moe_fixes.config import MoEModelConfig
-from vllm_moe_fixes._validate import check_positive_int
+from vllm_moe_fixes._validate import check_nonnegative_int, check_positive_int
 from vllm_moe_fixes.distributed.deepep_sizing import (
     LL_SUPPORTED_HIDDEN,
     check_deepep_config,
@@ -407,9 +407,7 @@ def _notes(loads: dict) -> dict:
 def _check_redundant(cfg: MoEModelConfig, redundant_experts, ep: int) -> int:
     """The physical expert count E + R; ValueError unless R is an int >= 0 and E + R divides
     over the ep ranks (every rank holds the same number of physical experts)."""
-    if isinstance(redundant_experts, bool) or not isinstance(redundant_experts, int) \
-            or redundant_experts < 0:
-        raise ValueError(f"redundant_experts={redundant_experts!r} must be an int >= 0")
+    check_nonnegative_int("redundant_experts", redundant_experts)
     physical = cfg.num_experts + redundant_experts
     if physical % ep:
         raise ValueError(f"redundant_experts={redundant_experts}: {cfg.num_experts} + "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moe_fixes._validate import check, check_positive_int
+from vllm_moe_fixes._validate import check, check_nonnegative_int, check_positive_int
 
 __all__ = ["ExpertPlacement", "route_ids", "route_reference"]
 
@@ -120,9 +120,7 @@ class ExpertPlacement:
         """Logical expert e in slot e; the redundant slots E..E+R-1 hold experts 0, 1, ...
         round-robin (slot E + i holds expert i % E)."""
         check_positive_int("num_experts", num_experts)
-        check(isinstance(num_redundant, int) and not isinstance(num_redundant, bool)
-              and num_redundant >= 0,
-              f"num_redundant={num_redundant!r} must be an int >= 0")
+        check_nonnegative_int("num_redundant", num_redundant)
         p2l = torch.arange(num_experts + num_redundant, dtype=torch.int64) % num_experts
         return cls.from_physical_to_logical(p2l, world_size, num_logical=num_experts)
 

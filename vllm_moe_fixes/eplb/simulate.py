@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_moe_fixes._validate import check, check_positive_int
+from vllm_moe_fixes._validate import check, check_nonnegative_int, check_positive_int
 from vllm_moe_fixes.eplb.rebalance import count_moves, rank_loads, rebalance, rebalance_hierarchical
 from vllm_moe_fixes.fused_moe.grouped_topk import grouped_topk
 
@@ -50,11 +50,6 @@ _ZIPF_EXPONENT = {"zipf1.0": 1.0, "zipf1.5": 1.5, "shift": 1.0}
 # planner(load float64 [E], placement in force or None) -> physical_to_logical int64 [E + R]
 Planner = Callable[[np.ndarray, "np.ndarray | None"], np.ndarray]
 
-
-def _check_count(name: str, value) -> None:
-    """ValueError unless `value` is an int >= 0."""
-    check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-          f"{name}={value!r} must be an int >= 0")
 
 
 @dataclass(frozen=True)
@@ -112,8 +107,8 @@ def scenario_loads(name: str, *, tokens: int, steps: int, seed: int = 0,
     check(name in SCENARIOS, f"name={name!r} must be one of {SCENARIOS}")
     check_positive_int("tokens", tokens)
     check_positive_int("steps", steps)
-    _check_count("seed", seed)
-    _check_count("swaps_per_step", swaps_per_step)
+    check_nonnegative_int("seed", seed)
+    check_nonnegative_int("swaps_per_step", swaps_per_step)
     rng = np.random.default_rng([seed, SCENARIOS.index(name)])
     gen = torch.Generator().manual_seed(seed)
     if name == "zero":
@@ -267,9 +262,9 @@ class SimulationConfig:
                   f"eps holds {ep}, which does not divide the {self.shape.num_experts} experts "
                   f"(no EPLB puts E / EP experts on a rank)")
         for r in self.redundant:
-            _check_count("redundant", r)
-        _check_count("seed", self.seed)
-        _check_count("swaps_per_step", self.swaps_per_step)
+            check_nonnegative_int("redundant", r)
+        check_nonnegative_int("seed", self.seed)
+        check_nonnegative_int("swaps_per_step", self.swaps_per_step)
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
         check(not unknown, f"scenarios {unknown} are not among {SCENARIOS}")
         check(self.steps_shift > self.window,

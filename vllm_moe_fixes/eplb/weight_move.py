@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from vllm_moe_fixes._validate import check
+from vllm_moe_fixes._validate import check, check_nonnegative_int
 from vllm_moe_fixes.distributed.collectives import (
     CollectiveRefusal,
     encode_verdict,
@@ -226,8 +226,7 @@ def _check_move(old, new, weights: Fp8MoEWeights, world: int,
               f"{tuple(t.shape)}")
     if max_bytes is None:
         return None
-    check(isinstance(max_bytes, int) and not isinstance(max_bytes, bool) and max_bytes >= 0,
-          f"max_bytes={max_bytes!r} must be None or an int >= 0")
+    check_nonnegative_int("max_bytes", max_bytes, or_none=True)
     return max_bytes // expert_bytes(weights)
 
 
