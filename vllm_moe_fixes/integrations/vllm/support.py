@@ -150,7 +150,11 @@ def moe_config_problem(moe: FusedMoEConfig) -> str | None:
         return None
     parallel = vllm_config.parallel_config
     if getattr(parallel, "use_ubatching", getattr(parallel, "enable_dbo", False)):
-        return "micro-batching (DBO) needs async prepare/finalize, not served yet"
+        # The adapters' async pair runs under vLLM's micro-batch contexts on CPU
+        # (tests/test_vllm_dbo.py), not yet on a GPU, where vLLM runs each micro-batch on its
+        # own CUDA stream and DeepEP's low-latency buffer allows one pending receive.
+        return ("micro-batching (DBO): the adapters' async prepare/finalize has not run on a GPU "
+                "under vLLM's micro-batch streams yet")
     if getattr(parallel, "enable_elastic_ep", False):
         return ("elastic EP: its scaling rebuilds the kernel with vLLM's own prepare/finalize "
                 "around these experts (eep_reconfigure), a pairing not served")
