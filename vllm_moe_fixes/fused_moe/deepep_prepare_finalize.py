@@ -69,8 +69,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from vllm_moe_fixes import envs
 from vllm_moe_fixes._compat.deep_ep import is_deep_ep_buffer, low_latency_async_verified
 from vllm_moe_fixes._validate import check_bool, check_experts_per_rank, check_positive_int
+from vllm_moe_fixes.distributed import ll_exchange as ll
 from vllm_moe_fixes.distributed.collectives import (
     NO_STAMP,
     PassStamp,
@@ -452,6 +454,19 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     has not yet passed on a GPU, so supports_async() is False there (why_not_async says why) and
     two-batch overlap is refused; over TorchAll2AllBuffer it is True.
 
+    A top-k that repeats an expert (all-zero dummy ids) sends one row per slot, so a rank of M
+    tokens can send M*k rows to one expert, while DeepEP receives N = max_tokens_per_rank rows
+    per (local expert, source rank). Where values are checked (CPU tensors; CUDA with
+    VLLM_MOE_CHECK_IDS=1, not under CUDA graph capture) a dispatch in which any rank sends more
+    than N rows to one expert raises ValueError on every rank before DeepEP runs. Unchecked,
+    DeepEP v1.2.1 numbers each expert's rows from a source rank with an unbounded counter: rows
+    past N overwrite the next source rank's rows of that expert (or the next expert's, or run
+    past the buffer), and the receive copies more than R*N rows into an expert's slice, with no
+    error (TorchAll2AllBuffer instead makes the tokens of dropped rows NaN). The chunks keep
+    M <= N per pass (min(VLLM_FUSED_MOE_CHUNK_SIZE, max_tokens_per_rank)), not M*k <= N: a
+    router's top-k names k distinct experts and needs no more; where ids can repeat, keep
+    M*k <= N (VLLM_FUSED_MOE_CHUNK_SIZE <= N // k, or a smaller M) or run with checked values.
+
     Arguments:
         buffer: a low-latency ``deep_ep.Buffer`` or ``TorchAll2AllBuffer(low_latency_mode=True)``
             sized for at least (max_tokens_per_rank, K, R, E).
@@ -540,6 +555,8 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         # DeepEP takes int64 ids; combine needs them too
         ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
             topk_ids.to(torch.int64).contiguous()
+        if is_deep_ep_buffer(self.buffer):  # TorchAll2AllBuffer checks this in its dispatch
+            self._check_expert_capacity(ids, num_experts)
         self._stamp_pass()
         self._receive_in_flight()
         recv_x, counts, handle, _, hook_fn = self.buffer.low_latency_dispatch(
@@ -556,6 +573,24 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
                                  handle=pending)
 
         return receive
+
+    def _check_expert_capacity(self, ids: torch.Tensor, num_experts: int) -> None:
+        """Where values are checked (envs.values_checked_on; never under CUDA graph capture):
+        ValueError on every rank when any rank's ids int64 [M, k] (in [-1, num_experts)) send
+        more than N rows to one expert (ll.check_expert_capacity, the rule TorchAll2AllBuffer's
+        dispatch applies), before DeepEP's dispatch would write past its receive area. One
+        all-gather of each rank's ll.busiest_expert on the buffer's group, so every rank must
+        check alike (the same VLLM_MOE_CHECK_IDS everywhere)."""
+        if not envs.values_checked_on(ids.device) or (
+                ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        busiest = ll.busiest_expert(ids, num_experts)
+        if self._num_dispatchers > 1:
+            gathered = busiest.new_empty(self._num_dispatchers * busiest.numel())
+            run_collective(dist.all_gather_into_tensor, gathered, busiest,
+                           group=getattr(self.buffer, "group", None))
+            busiest = gathered
+        ll.check_expert_capacity(busiest.view(-1, 2).tolist(), self.max_tokens_per_rank_)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
                  apply_router_weight_on_input, *, output_is_reduced: bool = False,
