@@ -1,7 +1,8 @@
 """FusedMoEModularKernel(micro_batches=n): the overlapped call gives the non-overlapped call's
 output bit for bit on CPU, over every expert-parallel prepare/finalize (high-throughput and V2 with
 2 and 3 micro-batches, low-latency with 2), on 1, 2 and 4 gloo ranks, with several chunks per
-call and ranks with 0 and 1 tokens; and the arguments it refuses."""
+call and ranks with 0 and 1 tokens; a chunk too small to pay for a split runs unsplit; and the
+arguments it refuses."""
 
 import os
 import time
@@ -21,7 +22,7 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPV2PrepareAndFinalize,
 )
 from vllm_moe_fixes.fused_moe.kernel_factory import local_expert_map
-from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
+from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel, micro_batches_for
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
 from vllm_moe_fixes.testing import random_fp8_moe_weights
 
@@ -30,13 +31,14 @@ CHUNK = 6                              # VLLM_FUSED_MOE_CHUNK_SIZE: several chun
 TOKENS = [13, 1, 0, 7]                 # per rank
 
 
-def _inputs(rank: int, world: int):
+def _inputs(rank: int, world: int, m: int | None = None):
+    """Rank ``rank``'s layer arguments with m tokens (None: TOKENS[rank])."""
     num_experts = E_LOCAL * world
     weights = random_fp8_moe_weights(num_experts, K, I, generator=torch.Generator().manual_seed(7))
     local = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
     local_weights = [t[local].contiguous() for t in weights]
     g = torch.Generator().manual_seed(30 + rank)
-    m = TOKENS[rank]
+    m = TOKENS[rank] if m is None else m
     x = torch.randn(m, K, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:TOPK] for _ in range(m)]) \
         if m else torch.zeros(0, TOPK, dtype=torch.int64)
@@ -45,11 +47,12 @@ def _inputs(rank: int, world: int):
     return num_experts, local_weights, x, topk_weights, ids
 
 
-def _layer(kernel, inputs):
+def _layer(kernel, inputs, max_tokens_across_ranks=None):
     num_experts, (w1, s1, w2, s2), x, topk_weights, ids = inputs
     expert_map = local_expert_map(dist.group.WORLD, num_experts, x.device)
     return kernel(x, w1, w2, topk_weights, ids, w1_scale=s1, w2_scale=s2,
-                  global_num_experts=num_experts, expert_map=expert_map)
+                  global_num_experts=num_experts, expert_map=expert_map,
+                  max_tokens_across_ranks=max_tokens_across_ranks)
 
 
 def _worker(rank: int, world: int) -> None:
@@ -74,7 +77,8 @@ def _worker(rank: int, world: int) -> None:
         want = _layer(FusedMoEModularKernel(make_pf(), experts()), inputs)
         assert torch.isfinite(want.float()).all()
         for micro_batches in splits:
-            kernel = FusedMoEModularKernel(make_pf(), experts(), micro_batches=micro_batches)
+            kernel = FusedMoEModularKernel(make_pf(), experts(), micro_batches=micro_batches,
+                                           min_micro_batch_tokens=1)  # split the tiny chunks
             got = _layer(kernel, inputs)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
                 (type(kernel.prepare_finalize).__name__, micro_batches)
@@ -83,6 +87,54 @@ def _worker(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_overlapped_call_equals_the_plain_call(world):
     run_distributed(_worker, world)
+
+
+class _CountingBuffer(TorchAll2AllBuffer):
+    """TorchAll2AllBuffer counting its high-throughput dispatches (one per micro-batch)."""
+
+    dispatches = 0
+
+    def dispatch(self, *args, **kwargs):
+        self.dispatches += 1
+        return super().dispatch(*args, **kwargs)
+
+
+# (world, tokens per rank, max_tokens_across_ranks, micro_batches, dispatches per call) with
+# min_micro_batch_tokens 4: on one rank the rule reads M; over ranks the busiest rank's count
+# (max_tokens_across_ranks), unknown without it (the call splits as asked).
+SPLITS = {1: [((7,), None, 2, 1), ((8,), None, 2, 2), ((13,), None, 4, 3), ((20,), None, 4, 4)],
+          2: [((3, 9), 9, 4, 2), ((3, 5), 5, 4, 1), ((3, 5), None, 4, 4)]}
+
+
+def _split_worker(rank: int, world: int) -> None:
+    for tokens, max_tokens, micro_batches, dispatches in SPLITS[world]:
+        inputs = _inputs(rank, world, tokens[rank])
+        wiring = dict(num_dispatchers=world, rank_expert_offset=rank * E_LOCAL)
+        want = _layer(FusedMoEModularKernel(
+            DeepEPHTPrepareAndFinalize(TorchAll2AllBuffer(), **wiring), TritonExperts()),
+            inputs, max_tokens)
+        buffer = _CountingBuffer()
+        kernel = FusedMoEModularKernel(DeepEPHTPrepareAndFinalize(buffer, **wiring),
+                                       TritonExperts(), micro_batches=micro_batches,
+                                       min_micro_batch_tokens=4)
+        got = _layer(kernel, inputs, max_tokens)
+        assert buffer.dispatches == dispatches, (tokens, max_tokens, buffer.dispatches)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tokens
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_small_chunks_run_unsplit(world):
+    run_distributed(_split_worker, world)
+
+
+@pytest.mark.parametrize("micro_batches, group_tokens, chunk_tokens, want", [
+    (2, 511, 8192, 1), (2, 512, 8192, 2), (4, 1024, 8192, 4), (4, 768, 8192, 3),
+    (4, 100_000, 512, 2),  # the chunk caps a micro-batch's tokens
+    (4, None, 8192, 4),    # the group's count unknown: split as asked
+    (1, 4096, 8192, 1),
+])
+def test_micro_batches_for(micro_batches, group_tokens, chunk_tokens, want):
+    assert micro_batches_for(micro_batches, group_tokens, chunk_tokens, 256) == want
 
 
 class _StubBuffer:
@@ -118,6 +170,8 @@ def _ll():
      "NoEPPrepareAndFinalize has no asynchronous prepare/finalize"),
     (_ll, BatchedTritonExperts, dict(micro_batches=3), "holds two dispatches' results; use 2"),
     (_ht, TritonExperts, dict(comm_sms=7), "comm_sms=7 must be a positive even int"),
+    (_ht, TritonExperts, dict(min_micro_batch_tokens=0),
+     "min_micro_batch_tokens=0 must be a positive int"),
     (NoEPPrepareAndFinalize, TritonExperts, dict(comm_sms=8), "has no buffer with set_num_sms"),
 ])
 def test_overlap_arguments_refused(make_pf, experts, kwargs, match):

@@ -31,7 +31,8 @@ asynchronous calls (prepare_async / finalize_async: their receivers wait):
                   (hidden by experts 0) (hidden by experts 1)
 
 More micro-batches pipeline the same way (dispatch i + 1 and combine i - 1 behind experts i), so
-all but the first dispatch and the last combine can hide. On CUDA the transfers run on the
+all but the first dispatch and the last combine can hide. A call splits only where each
+micro-batch keeps at least MIN_MICRO_BATCH_TOKENS tokens (``micro_batches_for``). On CUDA the transfers run on the
 communication library's stream (DeepEP's, or NCCL's for the torch buffers) while the experts run
 on the caller's: two streams, each micro-batch's data handed over by events; DeepEP's
 low-latency receive hook instead runs the receive kernel on the caller's stream, the transfer
@@ -50,6 +51,7 @@ from typing import NamedTuple
 import torch
 
 from vllm_moe_fixes import envs
+from vllm_moe_fixes._validate import check_positive_int
 from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     Experts,
@@ -70,6 +72,13 @@ def stream_is_capturing() -> bool:
     without CUDA, whose torch.cuda.is_current_stream_capturing cannot be called)."""
     return torch.backends.cuda.is_built() and torch.cuda.is_current_stream_capturing()
 
+
+# The fewest tokens a micro-batch gets on the group's busiest rank (micro_batches_for). Each
+# micro-batch is one more dispatch and combine, and its GEMMs run on fewer rows: below this the
+# split costs more than it can hide. Set by benchmarks.bench_overlap over gloo (2 ranks, K 256):
+# 64 tokens a micro-batch (M 128, 2 micro-batches) cost +45% without delay, 256 and more were
+# within the host's noise (-23% .. +5%).
+MIN_MICRO_BATCH_TOKENS = 256
 
 # Chunk plans a kernel keeps (FusedMoEModularKernel._chunk_plan): one per chunk shape, and a
 # decode engine calls a layer with a few dozen token counts at most.
@@ -109,7 +118,15 @@ class FusedMoEModularKernel:
             two-batch overlap (module docstring); more: the same pipeline over more
             micro-batches (not with a BATCHED prepare/finalize: DeepEP's low-latency buffer
             holds two dispatches' results). Needs a prepare/finalize with supports_async(), the
-            same value on every rank; a second set of workspaces is kept for it.
+            same value on every rank; a second set of workspaces is kept for it. The most a
+            call splits into: a call runs min(micro_batches, T // min_micro_batch_tokens)
+            micro-batches (at least 1, unsplit), T the tokens of a chunk on the group's busiest
+            rank (micro_batches_for): M on one rank, else max_tokens_across_ranks. With expert
+            parallelism and without max_tokens_across_ranks no rank knows T before the
+            dispatch, so such a call splits into micro_batches.
+        min_micro_batch_tokens: the fewest tokens a micro-batch may get (int >= 1; default
+            MIN_MICRO_BATCH_TOKENS, where the split stops costing more than it hides); 1 splits
+            every call. The same value on every rank.
         comm_sms: SMs DeepEP's high-throughput kernels take (``set_num_sms`` of the
             prepare/finalize's buffer: process-wide, even), leaving the rest to the experts; None
             keeps the buffer's (DeepEP's default, 20).
@@ -123,7 +140,8 @@ class FusedMoEModularKernel:
 
     def __init__(self, prepare_finalize: PrepareAndFinalize, experts: Experts,
                  workspaces: Workspaces | None = None, *, micro_batches: int = 1,
-                 comm_sms: int | None = None) -> None:
+                 comm_sms: int | None = None,
+                 min_micro_batch_tokens: int = MIN_MICRO_BATCH_TOKENS) -> None:
         if not isinstance(prepare_finalize, PrepareAndFinalize):
             raise ValueError(f"prepare_finalize must be a PrepareAndFinalize, got "
                              f"{type(prepare_finalize).__name__}")
@@ -164,6 +182,7 @@ class FusedMoEModularKernel:
                 "reduced output on unchanged (docs/design.md, 'Writing a prepare/finalize or "
                 "experts')")
         _check_overlap(prepare_finalize, micro_batches, comm_sms)
+        check_positive_int("min_micro_batch_tokens", min_micro_batch_tokens)
         if comm_sms is not None:
             prepare_finalize.buffer.set_num_sms(comm_sms)
         self.prepare_finalize = prepare_finalize
@@ -171,8 +190,8 @@ class FusedMoEModularKernel:
         self.workspaces = workspaces if workspaces is not None else Workspaces()
         self.micro_batches = micro_batches
         # the odd micro-batches' workspaces (a combine may still read the even one's output)
+        self.min_micro_batch_tokens = min_micro_batch_tokens
         self._second_workspaces = Workspaces() if micro_batches > 1 else None
-        self._split = {"micro_batches": micro_batches} if micro_batches > 1 else {}
         self._plans: dict[tuple, _ChunkPlan] = {}  # see _chunk_plan
 
     def __call__(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -291,7 +310,7 @@ class FusedMoEModularKernel:
         if self.prepare_finalize.num_dispatchers() > 1:
             dispatch_chunk_tokens = self._dispatch_chunk_tokens(envs.VLLM_FUSED_MOE_CHUNK_SIZE)
             self.prepare_finalize.num_chunks(0, dispatch_chunk_tokens, max_tokens_across_ranks,
-                                             capturing=capturing, refusal=refusal, **self._split)
+                                             capturing=capturing, refusal=refusal)
         raise refusal
 
     def _dispatch_chunk_tokens(self, experts_pass_tokens: int) -> int:
@@ -307,13 +326,16 @@ class FusedMoEModularKernel:
         M = hidden_states.shape[0]
         pf = self.prepare_finalize
         chunk = self._dispatch_chunk_tokens(call.experts_pass_tokens)
+        group_tokens = M if pf.num_dispatchers() == 1 else max_tokens_across_ranks
+        split = micro_batches_for(self.micro_batches, group_tokens, chunk,
+                                  self.min_micro_batch_tokens)
         num_chunks = pf.num_chunks(M, chunk, max_tokens_across_ranks, capturing=capturing,
-                                   **self._split)
+                                   **({"micro_batches": split} if split > 1 else {}))
         step = max(chunk, cdiv(M, num_chunks)) if num_chunks else chunk
         output = torch.empty_like(hidden_states)
-        if self.micro_batches > 1:
+        if split > 1:
             self._run_overlapped(call, hidden_states, topk_weights, topk_ids, output,
-                                 _micro_batch_rows(M, step, num_chunks, self.micro_batches))
+                                 _micro_batch_rows(M, step, num_chunks, split))
             return output
         if num_chunks == 1:  # one pass takes the whole tensors (no slice views to build)
             self._run_chunk(call, hidden_states, topk_weights, topk_ids, output)
@@ -469,6 +491,18 @@ def _check_overlap(prepare_finalize: PrepareAndFinalize, micro_batches: int,
     if not callable(getattr(getattr(prepare_finalize, "buffer", None), "set_num_sms", None)):
         raise ValueError(f"comm_sms={comm_sms}: {name} has no buffer with set_num_sms (DeepEP's "
                          "high-throughput Buffer or TorchAll2AllBuffer)")
+
+
+def micro_batches_for(micro_batches: int, group_tokens: int | None, chunk_tokens: int,
+                      min_tokens: int) -> int:
+    """The micro-batches a call splits each chunk into (FusedMoEModularKernel's rule): as many as
+    keep min_tokens tokens each on the group's busiest rank, at most micro_batches, at least 1.
+
+    group_tokens: the call's tokens on the group's busiest rank (the same on every rank), None
+    where unknown (then micro_batches); chunk_tokens: the most tokens one chunk takes."""
+    if group_tokens is None:
+        return micro_batches
+    return max(1, min(micro_batches, min(group_tokens, chunk_tokens) // min_tokens))
 
 
 def _micro_batch_rows(num_tokens: int, step: int, num_chunks: int,
