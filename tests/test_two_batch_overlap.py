@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
+from _dist import device_for, run_distributed
 
 from vllm_moe_fixes.distributed.torch_buffer import TorchAll2AllBuffer
 from vllm_moe_fixes.distributed.torch_elastic_buffer import TorchElasticBuffer
@@ -185,37 +185,57 @@ def test_comm_sms_is_declared_to_the_buffer():
     assert pf.buffer.num_sms == 24 and kernel.micro_batches == 2
 
 
-def _delayed_worker(rank: int, world: int) -> None:
-    """Two asynchronous dispatches over the simulated link: the plain buffer's rows, each wait
-    returning no earlier than the link's booked end, the second transfer queued after the
-    first."""
+def _delayed_worker(rank: int, world: int, per_dispatch: float) -> None:
+    """Two asynchronous dispatches over the simulated link, each of per_dispatch seconds: the
+    plain buffer's rows, the second transfer queued after the first, the waits returning no
+    earlier than the link's end (CPU: on the host; CUDA: on the caller's stream, which the host
+    does not wait for)."""
     from test_torch_buffer import make_problem
 
     from vllm_moe_fixes.distributed.delayed_buffer import DelayedAll2AllBuffer
 
-    xs, ids, ws = make_problem(3, [5, 3], 4, 2, 256)
+    device = device_for(rank)
+    xs, ids, ws = make_problem(3, [5, 3][:world], 4, 2, 256, device=device)
     x, idx, w = xs[rank], ids[rank], ws[rank]
-    spb = 2e-7
-    plain, delayed = TorchAll2AllBuffer(), DelayedAll2AllBuffer(seconds_per_byte=spb)
+    plain = TorchAll2AllBuffer()
     layout = plain.get_dispatch_layout(idx, 4)[:4]
     args = dict(num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
                 is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=idx,
                 topk_weights=w)
     want = plain.dispatch(x, **args)[0]
     row_bytes = 256 * 2 + idx.shape[1] * (8 + 4)  # x, ids, weights packed
-    per_dispatch = int(layout[0].sum()) * row_bytes * spb
+    spb = per_dispatch / (int(layout[0].sum()) * row_bytes)
+    delayed = DelayedAll2AllBuffer(seconds_per_byte=spb)
+    delayed.dispatch(x, **args)  # warm-up (CUDA: the link stream, the sleep's clock rate)
+    delayed.bytes_sent = 0
+    timer = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if x.is_cuda else None
+    if timer:
+        torch.cuda.synchronize()
+        timer[0].record()
     began = time.perf_counter()
     first = delayed.dispatch(x, async_finish=True, **args)
     second = delayed.dispatch(x, async_finish=True, **args)
     assert delayed.bytes_sent * spb == pytest.approx(2 * per_dispatch)
     first[-1].current_stream_wait()
     second[-1].current_stream_wait()
-    assert time.perf_counter() - began >= 2 * per_dispatch
+    host = time.perf_counter() - began
+    if timer:
+        timer[1].record()
+        timer[1].synchronize()
+        assert host < per_dispatch  # the host did not wait for the link
+        assert timer[0].elapsed_time(timer[1]) * 1e-3 >= 0.95 * 2 * per_dispatch
+    else:
+        assert host >= 2 * per_dispatch
     assert torch.equal(first[0], want) and torch.equal(second[0], want)
 
 
 def test_delayed_buffer_books_a_serial_link():
-    run_distributed(_delayed_worker, 2)
+    run_distributed(_delayed_worker, 2, 5e-4)
+
+
+@pytest.mark.gpu
+def test_delayed_buffer_spends_the_link_on_the_gpu():
+    run_distributed(_delayed_worker, 1, 0.05, backend="nccl")
 
 
 def test_delayed_buffer_refuses_a_negative_delay():
