@@ -13,7 +13,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
-[[ -f .deps/dg_jit_cache.tgz && ! -d .deps/dg_jit_cache ]] && tar xzf .deps/dg_jit_cache.tgz -C .deps
+if [[ -f .deps/dg_jit_cache.tgz && ! -d .deps/dg_jit_cache ]]; then
+    tar xzf .deps/dg_jit_cache.tgz -C .deps
+fi
 export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-$PWD/.deps/dg_jit_cache}"
 timeout -k 5 "${BENCH_S:-115}" python3 -m benchmarks.bench_overlap --gpu-delayed \
     --reps "${REPS:-10}" ${BENCH_ARGS:-} >"$OUT/overlap_gpu.log" 2>&1

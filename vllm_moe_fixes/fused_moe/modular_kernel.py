@@ -32,11 +32,11 @@ asynchronous calls (prepare_async / finalize_async: their receivers wait):
 
 More micro-batches pipeline the same way (dispatch i + 1 and combine i - 1 behind experts i), so
 all but the first dispatch and the last combine can hide. A call splits only where each
-micro-batch keeps at least MIN_MICRO_BATCH_TOKENS tokens (``micro_batches_for``). On CUDA the transfers run on the
-communication library's stream (DeepEP's, or NCCL's for the torch buffers) while the experts run
-on the caller's: two streams, each micro-batch's data handed over by events; DeepEP's
-low-latency receive hook instead runs the receive kernel on the caller's stream, the transfer
-itself taking no SM in between. The micro-batches alternate between two sets of workspaces (a
+micro-batch keeps at least MIN_MICRO_BATCH_TOKENS tokens (``micro_batches_for``). On CUDA the
+transfers run on the communication library's stream (DeepEP's, or NCCL's for the torch buffers)
+while the experts run on the caller's: two streams, each micro-batch's data handed over by events;
+DeepEP's low-latency receive hook instead runs the receive kernel on the caller's stream, the
+transfer itself taking no SM in between. The micro-batches alternate between two sets of workspaces (a
 combine may still read the experts' output while the next micro-batch's experts run).
 """
 
