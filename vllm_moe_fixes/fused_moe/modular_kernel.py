@@ -36,8 +36,9 @@ micro-batch keeps at least MIN_MICRO_BATCH_TOKENS tokens (``micro_batches_for``)
 transfers run on the communication library's stream (DeepEP's, or NCCL's for the torch buffers)
 while the experts run on the caller's: two streams, each micro-batch's data handed over by events;
 DeepEP's low-latency receive hook instead runs the receive kernel on the caller's stream, the
-transfer itself taking no SM in between. The micro-batches alternate between two sets of workspaces (a
-combine may still read the experts' output while the next micro-batch's experts run).
+transfer itself taking no SM in between. The micro-batches alternate between two sets of
+workspaces (a combine may still read the experts' output while the next micro-batch's experts
+run).
 """
 
 from __future__ import annotations
