@@ -40,17 +40,21 @@ def _variant(bm, bn, warps, stages, **extra):
 
 # IMPRECISE_ACC 0: one wgmma chain and one float32 promotion per 128 of K (DeepGEMM's); without
 # the key, contiguous_config promotes every 64 at K >= 4096 as the Triton kernel does.
+# WARP_SPECIALIZE: a producer warp issues the TMA loads (DeepGEMM's split).
 VARIANTS = [
     _variant(128, 128, 8, 4, IMPRECISE_ACC=0),
-    _variant(128, 128, 8, 6, IMPRECISE_ACC=0),
+    _variant(128, 128, 8, 4, IMPRECISE_ACC=0, WARP_SPECIALIZE=True),
+    _variant(128, 128, 8, 6, IMPRECISE_ACC=0, WARP_SPECIALIZE=True),
     _variant(64, 128, 4, 4, IMPRECISE_ACC=0),
     _variant(128, 128, 8, 4),
+    _variant(128, 128, 8, 4, WARP_SPECIALIZE=True),
 ]
 
 
 def variant_name(v: dict) -> str:
     acc = "acc0" if v.get("IMPRECISE_ACC") == 0 else "acc-default"
-    return f"{v['BLOCK_M']}x{v['BLOCK_N']} {v['num_warps']}w {v['num_stages']}s {acc}"
+    ws = " ws" if v.get("WARP_SPECIALIZE") else ""
+    return f"{v['BLOCK_M']}x{v['BLOCK_N']} {v['num_warps']}w {v['num_stages']}s {acc}{ws}"
 
 
 def _tail(exc: BaseException, lines: int = 6) -> str:

@@ -59,7 +59,6 @@ def test_enabled_never_takes_cpu_tensors(monkeypatch):
     (dict(BLOCK_N=256), "BLOCK_M and BLOCK_N 64 or 128, got 128x256"),
     (dict(num_warps=2), "num_warps 4 or 8, got 2"),
     (dict(num_stages=1), "num_stages must be >= 2, got 1"),
-    (dict(WARP_SPECIALIZE=True), "no WARP_SPECIALIZE"),
 ])
 def test_check_config_rejects(change, match):
     with pytest.raises(ValueError, match=match):
@@ -95,7 +94,7 @@ def _offline_compile(cfg, N=256, K=512):
     args = (*descs, a_s, w_s, out, m_idx, M, N, K, *a_s.stride(), *w_s.stride(), out.stride(0))
     kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
                   GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"], MMA=mma,
-                  num_warps=cfg["num_warps"])
+                  WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"], num_warps=cfg["num_warps"])
     binder = jit.create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
@@ -104,7 +103,8 @@ def _offline_compile(cfg, N=256, K=512):
     return triton.compile(src, target=target, options=options.__dict__)
 
 
-@pytest.mark.parametrize("tile", [dict(), dict(BLOCK_M=64, num_warps=4, IMPRECISE_ACC=64)])
+@pytest.mark.parametrize("tile", [dict(), dict(BLOCK_M=64, num_warps=4, IMPRECISE_ACC=64),
+                                  dict(WARP_SPECIALIZE=True)])
 def test_compiles_for_sm90_offline(tile):
     ptx = _offline_compile(resolved(257, 2, 512, **tile)).asm["ptx"]
     # The K loop is asynchronous wgmma fed by TMA through mbarriers.
@@ -124,6 +124,8 @@ needs_gluon = pytest.mark.skipif(not GLUON_GPU, reason="needs an sm_90 GPU and H
     ([130, 0, 257, 64, 3], 384, 512, dict()),                  # 5 experts, one empty, M % 128
     ([200, 77, 5], 256, 1024, dict(BLOCK_M=64, num_warps=4)),  # 3 experts, 64-row tiles
     ([129, 1], 128, 4096, dict(IMPRECISE_ACC=64, num_stages=3)),  # promotion every 64 of K
+    ([130, 0, 257, 64, 3], 384, 512, dict(WARP_SPECIALIZE=True)),  # producer warp, padding tiles
+    ([1], 128, 1024, dict(WARP_SPECIALIZE=True, num_stages=2)),     # ring wraps 4 times
 ])
 def test_matches_reference(segments, N, K, tile):
     a, w, m_idx = problem(segments, N, K, "cuda", seed=len(segments))

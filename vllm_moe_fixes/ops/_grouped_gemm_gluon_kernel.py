@@ -106,29 +106,93 @@ def _block_scaled_wgmma(a_desc, w_desc, a_s_ptrs, w_s_ptr, K, stride_ask, stride
 
 
 @gluon.jit
+def _ws_load(a_desc, w_desc, a_smem, w_smem, ready, empty, num_k, a_row, w_row,
+             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, STAGE_BYTES: gl.constexpr):
+    """Producer warp: refill each slot once the consumers have released it (empty[s]; a fresh
+    barrier passes the first wait, on parity 1)."""
+    for k in range(num_k):
+        mbarrier.wait(empty.index(k % STAGES), ((k // STAGES) & 1) ^ 1)
+        _load_block(a_desc, w_desc, a_smem, w_smem, ready, k, num_k, a_row, w_row,
+                    BLOCK_K, STAGES, STAGE_BYTES)
+
+
+@gluon.jit
+def _ws_consume(a_smem, w_smem, ready, empty, a_s_ptrs, w_s_ptr, num_k, stride_ask, stride_wsk,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr, MMA: gl.constexpr):
+    """Consumer warpgroups: the loop of _block_scaled_wgmma without the loads; a slot is released
+    once its wgmma is complete. num_k 0 (a padding tile) gives zeros."""
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+    acc = zero
+    prev = zero
+    scale = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, MMA))
+    for k in range(num_k):
+        tok = _wgmma_block(a_smem, w_smem, ready, k, zero, STAGES)
+        acc += prev * scale[:, None]
+        scale = _block_scale(a_s_ptrs, w_s_ptr, k, stride_ask, stride_wsk, BLOCK_K)
+        prev = warpgroup_mma_wait(0, deps=[tok])
+        mbarrier.arrive(empty.index(k % STAGES), count=1)
+    # A tuple: the default partition's results as every Triton release takes them.
+    return (acc + prev * scale[:, None],)
+
+
+@gluon.jit
+def _block_scaled_wgmma_ws(a_desc, w_desc, a_s_ptrs, w_s_ptr, num_k, stride_ask, stride_wsk,
+                           a_row, w_row, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+    """_block_scaled_wgmma with a producer warp for the TMA loads (DeepGEMM's split), over num_k
+    K blocks."""
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    STAGE_BYTES: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K
+    results = gl.warp_specialize([
+        (_ws_consume, (a_smem, w_smem, ready, empty, a_s_ptrs, w_s_ptr, num_k, stride_ask,
+                       stride_wsk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA)),
+        (_ws_load, (a_desc, w_desc, a_smem, w_smem, ready, empty, num_k, a_row, w_row, BLOCK_K,
+                    STAGES, STAGE_BYTES)),
+    ], [1], [24])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+    return results[0]
+
+
+@gluon.jit
 def contiguous_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, m_idx_ptr, M, N, K,
                       stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_om,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr,
+                      WARP_SPECIALIZE: gl.constexpr):
     """out[tile] for one tile; a_desc: A [M, K], w_desc: W [E*N, K] (TMA, zero-filled past the
     end); tiles whose first row is padding (m_indices -1) and padding rows are written as 0."""
     pid_m, pid_n = _swizzle(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m.to(gl.int64) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
     expert = gl.load(m_idx_ptr + pid_m.to(gl.int64) * BLOCK_M)
-    if expert >= 0:
-        # Rows past M are clamped for the scale loads (their TMA rows read as zeros).
-        a_s_ptrs = a_s_ptr + gl.minimum(offs_m, M - 1) * stride_asm
-        w_s_ptr += expert.to(gl.int64) * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+    # Rows past M are clamped for the scale loads (their TMA rows read as zeros).
+    a_s_ptrs = a_s_ptr + gl.minimum(offs_m, M - 1) * stride_asm
+    w_s_ptr += expert.to(gl.int64) * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+    a_row = (pid_m * BLOCK_M).to(gl.int32)
+    w_row = (expert * N + pid_n * BLOCK_N).to(gl.int32)
+    if WARP_SPECIALIZE:  # one region for every tile: a padding tile runs no K block
+        num_k = gl.where(expert >= 0, K // BLOCK_K, 0)
+        acc = _block_scaled_wgmma_ws(a_desc, w_desc, a_s_ptrs, w_s_ptr, num_k, stride_ask,
+                                     stride_wsk, a_row, w_row, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                     MMA)
+    elif expert >= 0:
         acc = _block_scaled_wgmma(a_desc, w_desc, a_s_ptrs, w_s_ptr, K, stride_ask, stride_wsk,
-                                  (pid_m * BLOCK_M).to(gl.int32),
-                                  (expert * N + pid_n * BLOCK_N).to(gl.int32),
-                                  BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA)
-        # Trailing -1 rows of the expert's last tile are padding: exact zeros.
-        row_experts = gl.load(m_idx_ptr + offs_m, mask=offs_m < M, other=-1)
-        acc = gl.where((row_experts == expert)[:, None], acc, 0.0)
+                                  a_row, w_row, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA)
     else:  # the whole tile is padding
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+    # Trailing -1 rows of the expert's last tile are padding: exact zeros.
+    row_experts = gl.load(m_idx_ptr + offs_m, mask=offs_m < M, other=-1)
+    acc = gl.where((row_experts == expert)[:, None], acc, 0.0)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     gl.store(out_ptrs, acc.to(gl.bfloat16), mask=out_mask)

@@ -29,7 +29,8 @@ ENABLED = False
 # The config keys are the Triton kernel's (grouped_gemm.DEFAULT_CONFIG), so that
 # grouped_gemm.contiguous_config resolves GROUP_M per expert size and IMPRECISE_ACC per K for
 # both. num_stages is the TMA ring's depth; IMPRECISE_ACC (0 = 128, or 64 / 32) is the K extent
-# of one wgmma chain between float32 promotions; WARP_SPECIALIZE must be False.
+# of one wgmma chain between float32 promotions; WARP_SPECIALIZE gives the TMA loads a producer
+# warp of their own, released slot by slot through "empty" barriers (DeepGEMM's split).
 # 128x128 with 8 warps (two warpgroups of 64 rows) is DeepGEMM's tile on these shapes.
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
 
@@ -83,8 +84,6 @@ def check_config(cfg: dict) -> dict:
         raise ValueError(f"config: the Gluon kernel takes num_warps 4 or 8, got {cfg['num_warps']}")
     if cfg["num_stages"] < 2:
         raise ValueError(f"config: num_stages must be >= 2, got {cfg['num_stages']}")
-    if cfg["WARP_SPECIALIZE"]:
-        raise ValueError("config: the Gluon kernel has no WARP_SPECIALIZE")
     return cfg
 
 
@@ -133,5 +132,5 @@ def grouped_fp8_gemm_contiguous_gluon(a, w, out, m_indices, cfg: dict):
         a_desc, w_desc, a_s, w_s, out, m_indices, M, N, K,
         *a_s.stride(), *w_s.stride(), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"],
-        MMA=mma, num_warps=warps)
+        MMA=mma, WARP_SPECIALIZE=bool(cfg["WARP_SPECIALIZE"]), num_warps=warps)
     return out
