@@ -36,9 +36,9 @@ the slowest rank's (all ranks start together after a barrier); the median round 
 (K 7168, I 2048, top-8 of 8 local experts, FP8 weights) with the experts the GPU layer uses
 (DeepGemmExperts where DeepGEMM imports, else TritonExperts; --experts picks), over the
 TorchAll2AllBuffer on NCCL (at world 1 a copy) and over DelayedAll2AllBuffer, whose link's time is
-a sleep kernel on a link stream of its own: the caller's stream waits for it and the host does
-not (delayed_buffer's docstring says why the time is spent on the GPU). Calibrated as above (half
-the anchor's time at M 1024). Each call is timed by CUDA events, the GPU idle before it; medians
+a host-to-device copy on a link stream of its own (the copy engine, no SM): the caller's stream
+waits for it and the host does not (delayed_buffer's docstring says why). Calibrated as above
+(half the anchor's time at M 1024). Each call is timed by CUDA events, the GPU idle before it; medians
 of --reps rounds, variants interleaved. No host-side wait to book, so the hidden share comes from
 the times:
       hidden = 1 - (overlapped delayed - overlapped plain) / L: the link time the overlapped call
@@ -340,7 +340,7 @@ def main() -> None:
             got, reps=args.reps, link_share=args.link_share, shape=GPU_SHAPE,
             min_micro_batch_tokens=MIN_MICRO_BATCH_TOKENS,
             note="world 1, NCCL, DeepEPHTPrepareAndFinalize over TorchAll2AllBuffer (plain) and "
-                 "DelayedAll2AllBuffer (its link a sleep kernel on a stream of its own); split: "
+                 "DelayedAll2AllBuffer (its link a host-to-device copy on a stream of its own); split: "
                  "the micro-batches the kernel's rule ran; cost_pct: overlapped vs plain call "
                  "without delay; hidden_pct: 1 - (delayed - plain, both overlapped) / link time "
                  "(anchor_hidden_pct: the plain call's own, the check); wall_hidden_pct: "

@@ -206,7 +206,7 @@ def _delayed_worker(rank: int, world: int, per_dispatch: float) -> None:
     row_bytes = 256 * 2 + idx.shape[1] * (8 + 4)  # x, ids, weights packed
     spb = per_dispatch / (int(layout[0].sum()) * row_bytes)
     delayed = DelayedAll2AllBuffer(seconds_per_byte=spb)
-    delayed.dispatch(x, **args)  # warm-up (CUDA: the link stream, the sleep's clock rate)
+    delayed.dispatch(x, **args)  # warm-up (CUDA: the link stream, the copy rate)
     delayed.bytes_sent = 0
     timer = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if x.is_cuda else None
     if timer:
@@ -223,7 +223,7 @@ def _delayed_worker(rank: int, world: int, per_dispatch: float) -> None:
         timer[1].record()
         timer[1].synchronize()
         assert host < per_dispatch  # the host did not wait for the link
-        assert timer[0].elapsed_time(timer[1]) * 1e-3 >= 0.95 * 2 * per_dispatch
+        assert timer[0].elapsed_time(timer[1]) * 1e-3 >= 0.9 * 2 * per_dispatch
     else:
         assert host >= 2 * per_dispatch
     assert torch.equal(first[0], want) and torch.equal(second[0], want)

@@ -11,13 +11,15 @@ synchronous) are not delayed. Results are the plain buffer's, bit for bit.
 Where the link's time is spent:
   * CPU tensors: on the host. The transfer is booked at its start; its wait sleeps for what is
     left (``time.sleep``: the host is free meanwhile, as with a real network).
-  * CUDA tensors: on the GPU, in a link stream of its own. After the collective the link stream
-    runs a sleep kernel (``torch.cuda._sleep``, one thread) of the transfer's length, and the wait
-    makes the caller's stream wait for it; no host synchronisation. A host-side booking cannot be
-    used here: the host runs ahead of the GPU, so it would start a transfer before the GPU had
-    produced its data and count the link against work still queued. One stream in order is the
-    serial link, and a transfer starts when its data is (the collective waits for the caller's
-    stream). The sleep's clock rate is measured once per device.
+  * CUDA tensors: on the GPU, on a link stream of its own, as a host-to-device copy of pinned
+    memory sized to take the transfer's time (the copy engine's measured rate, once per device);
+    the wait makes the caller's stream wait for it, with no host synchronisation. One stream in
+    order is the serial link, and a transfer starts when its data is ready (after the
+    collective, which waits for the caller's stream). Not a host-side booking: the host runs
+    ahead of the GPU, so it would start a transfer before its data existed and count the link
+    against work still queued. Not a sleep kernel: it takes an SM, and a persistent GEMM that
+    holds every SM (DeepGEMM's) would wait for it or keep it waiting. A copy takes no SM and
+    a few per cent of the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -55,7 +58,7 @@ class DelayedAll2AllBuffer(TorchAll2AllBuffer):
         self.bytes_sent = 0
         self.waited_seconds = 0.0
         self._link_free_at = 0.0  # time.perf_counter() when the last transfer ends (CPU)
-        self._link_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the link (CUDA)
+        self._links: dict[int, _Link] = {}  # device index -> its link (CUDA tensors)
 
     def _start(self, collective, *args, **kwargs) -> Callable[[], None]:
         """Start the exchange (its second argument is what this rank sends), then book it on the
@@ -65,7 +68,7 @@ class DelayedAll2AllBuffer(TorchAll2AllBuffer):
         seconds = sent.numel() * sent.element_size() * self.seconds_per_byte
         self.bytes_sent += sent.numel() * sent.element_size()
         if sent.is_cuda and seconds > 0:
-            return self._on_link_stream(wait, seconds, sent.device)
+            return self._on_link_stream(wait, seconds, args)
         return self._on_host(wait, seconds)
 
     def _on_host(self, wait: Callable[[], None], seconds: float) -> Callable[[], None]:
@@ -83,36 +86,79 @@ class DelayedAll2AllBuffer(TorchAll2AllBuffer):
         return wait_for_link
 
     def _on_link_stream(self, wait: Callable[[], None], seconds: float,
-                        device: torch.device) -> Callable[[], None]:
+                        tensors: tuple) -> Callable[[], None]:
         """Queue the transfer's time on the device's link stream after the collective; the wait
-        makes the caller's stream wait for it (no host synchronisation)."""
-        link = self._link_streams.get(device.index)
+        makes the caller's stream wait for it (no host synchronisation). ``tensors`` (the
+        collective's) are kept until then: the collective's work lets them go once the link
+        stream has waited for it, and the caller's stream may reuse their memory only after its
+        own wait."""
+        device = tensors[1].device
+        link = self._links.get(device.index)
         if link is None:
-            link = self._link_streams[device.index] = torch.cuda.Stream(device)
-        with torch.cuda.stream(link):
-            wait()  # the collective's work: the link stream waits for it
-            torch.cuda._sleep(max(1, round(seconds * _sleep_cycles_per_second(device.index))))
-            done = torch.cuda.Event()
-            done.record(link)
+            link = self._links[device.index] = _Link.on(device)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(link.stream):
+            wait()  # the link stream waits for the collective
+            link.take(seconds)
+            done.record(link.stream)
 
         def wait_for_link() -> None:
+            nonlocal tensors
             torch.cuda.current_stream(device).wait_event(done)
+            tensors = None
 
         return wait_for_link
 
 
+class _Link(NamedTuple):
+    """A device's simulated link: its stream and the buffers its copies move."""
+
+    stream: torch.cuda.Stream
+    source: torch.Tensor  # uint8 [LINK_COPY_BYTES], pinned host memory
+    target: torch.Tensor  # uint8 [LINK_COPY_BYTES] on the device
+
+    @staticmethod
+    def on(device: torch.device) -> _Link:
+        return _Link(torch.cuda.Stream(device), *_copy_buffers(device))
+
+    def take(self, seconds: float) -> None:
+        """Queue copies on the current stream that take about ``seconds``."""
+        rate, latency = _copy_rate(self.target.device.index)
+        left = round(max(0.0, seconds - latency) * rate)
+        while left > 0:  # a transfer longer than the buffers copies them again
+            n = min(left, LINK_COPY_BYTES)
+            self.target[:n].copy_(self.source[:n], non_blocking=True)
+            left -= n
+
+
+# The link's copy buffers: about 1 ms of a host-to-device copy at 50 GB/s (PCIe 5).
+LINK_COPY_BYTES = 64 << 20
+
+
+def _copy_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pinned host, device) uint8 buffers of LINK_COPY_BYTES."""
+    return (torch.empty(LINK_COPY_BYTES, dtype=torch.uint8, pin_memory=True),
+            torch.empty(LINK_COPY_BYTES, dtype=torch.uint8, device=device))
+
+
 @functools.cache
-def _sleep_cycles_per_second(device_index: int) -> float:
-    """torch.cuda._sleep's cycles per second on the device, timed with CUDA events (the median
-    of five sleeps of about 2 ms each at 1.5 GHz)."""
-    cycles, rates = 3_000_000, []
-    with torch.cuda.device(device_index):
-        torch.cuda._sleep(cycles)  # warm-up: the kernel's first launch loads it
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-            rates.append(cycles / (start.elapsed_time(end) * 1e-3))
-    return statistics.median(rates)
+def _copy_rate(device_index: int) -> tuple[float, float]:
+    """(bytes per second, seconds of latency) of a host-to-device copy from pinned memory: a line
+    through the medians of three copies of a sixteenth and of all of LINK_COPY_BYTES, timed with
+    CUDA events on the current stream."""
+    host, device = _copy_buffers(torch.device("cuda", device_index))
+
+    def seconds(n: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        device[:n].copy_(host[:n], non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+
+    seconds(LINK_COPY_BYTES)  # warm-up
+    small, large = LINK_COPY_BYTES // 16, LINK_COPY_BYTES
+    t_small = statistics.median(seconds(small) for _ in range(3))
+    t_large = statistics.median(seconds(large) for _ in range(3))
+    rate = (large - small) / (t_large - t_small)
+    return rate, max(0.0, t_small - small / rate)
