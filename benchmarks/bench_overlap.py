@@ -38,8 +38,8 @@ the slowest rank's (all ranks start together after a barrier); the median round 
 TorchAll2AllBuffer on NCCL (at world 1 a copy) and over DelayedAll2AllBuffer, whose link's time is
 a host-to-device copy on a link stream of its own (the copy engine, no SM): the caller's stream
 waits for it and the host does not (delayed_buffer's docstring says why). Calibrated as above
-(half the anchor's time at M 1024). Each call is timed by CUDA events, the GPU idle before it; medians
-of --reps rounds, variants interleaved. No host-side wait to book, so the hidden share comes from
+(half the anchor's time at M 1024). Each call is timed by CUDA events, the GPU idle before it;
+medians of --reps rounds, variants interleaved. No host-side wait to book, so the hidden share comes from
 the times:
       hidden = 1 - (overlapped delayed - overlapped plain) / L: the link time the overlapped call
         did not hide, its own cost taken out; anchor_hidden, the same of the anchor (about 0);
@@ -340,8 +340,8 @@ def main() -> None:
             got, reps=args.reps, link_share=args.link_share, shape=GPU_SHAPE,
             min_micro_batch_tokens=MIN_MICRO_BATCH_TOKENS,
             note="world 1, NCCL, DeepEPHTPrepareAndFinalize over TorchAll2AllBuffer (plain) and "
-                 "DelayedAll2AllBuffer (its link a host-to-device copy on a stream of its own); split: "
-                 "the micro-batches the kernel's rule ran; cost_pct: overlapped vs plain call "
+                 "DelayedAll2AllBuffer (its link a host-to-device copy on a stream of its own); "
+                 "split: the micro-batches the kernel's rule ran; cost_pct: overlapped vs plain call "
                  "without delay; hidden_pct: 1 - (delayed - plain, both overlapped) / link time "
                  "(anchor_hidden_pct: the plain call's own, the check); wall_hidden_pct: "
                  "(anchor delayed - overlapped delayed) / link time; forced_*: split into "
