@@ -39,8 +39,8 @@ TorchAll2AllBuffer on NCCL (at world 1 a copy) and over DelayedAll2AllBuffer, wh
 a host-to-device copy on a link stream of its own (the copy engine, no SM): the caller's stream
 waits for it and the host does not (delayed_buffer's docstring says why). Calibrated as above
 (half the anchor's time at M 1024). Each call is timed by CUDA events, the GPU idle before it;
-medians of --reps rounds, variants interleaved. No host-side wait to book, so the hidden share comes from
-the times:
+medians of --reps rounds, variants interleaved. No host-side wait to book, so the hidden share
+comes from the times:
       hidden = 1 - (overlapped delayed - overlapped plain) / L: the link time the overlapped call
         did not hide, its own cost taken out; anchor_hidden, the same of the anchor (about 0);
       wall_hidden = (anchor delayed - overlapped delayed) / L, cost included.
@@ -341,8 +341,8 @@ def main() -> None:
             min_micro_batch_tokens=MIN_MICRO_BATCH_TOKENS,
             note="world 1, NCCL, DeepEPHTPrepareAndFinalize over TorchAll2AllBuffer (plain) and "
                  "DelayedAll2AllBuffer (its link a host-to-device copy on a stream of its own); "
-                 "split: the micro-batches the kernel's rule ran; cost_pct: overlapped vs plain call "
-                 "without delay; hidden_pct: 1 - (delayed - plain, both overlapped) / link time "
+                 "split: the micro-batches the kernel's rule ran; cost_pct: overlapped vs plain "
+                 "call without delay; hidden_pct: 1 - (delayed - plain, both overlapped) / link time "
                  "(anchor_hidden_pct: the plain call's own, the check); wall_hidden_pct: "
                  "(anchor delayed - overlapped delayed) / link time; forced_*: split into "
                  "micro_batches whatever the rule; bound_pct: 1 - 1/micro_batches. CUDA-event "
