@@ -342,8 +342,8 @@ def main() -> None:
             note="world 1, NCCL, DeepEPHTPrepareAndFinalize over TorchAll2AllBuffer (plain) and "
                  "DelayedAll2AllBuffer (its link a host-to-device copy on a stream of its own); "
                  "split: the micro-batches the kernel's rule ran; cost_pct: overlapped vs plain "
-                 "call without delay; hidden_pct: 1 - (delayed - plain, both overlapped) / link time "
-                 "(anchor_hidden_pct: the plain call's own, the check); wall_hidden_pct: "
+                 "call without delay; hidden_pct: 1 - (delayed - plain, both overlapped) / link "
+                 "time (anchor_hidden_pct: the plain call's own, the check); wall_hidden_pct: "
                  "(anchor delayed - overlapped delayed) / link time; forced_*: split into "
                  "micro_batches whatever the rule; bound_pct: 1 - 1/micro_batches. CUDA-event "
                  "medians"))
