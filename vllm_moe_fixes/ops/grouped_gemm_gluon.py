@@ -35,6 +35,7 @@ ENABLED = False
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
 
 
+@functools.cache
 def _gluon_api() -> bool:
     """Whether this Triton has the Hopper Gluon names the kernel uses."""
     try:
