@@ -18,7 +18,9 @@ so the promotion of one block overlaps the next block's tensor-core work, which 
 loop cannot express (its result must be complete before it is scaled). BLOCK_K is the K extent
 of one wgmma chain and of one promotion: 128 (one scale block; DeepGEMM's choice) or 64 / 32
 (each half or quarter of a scale block promoted on its own, with that block's scale: the
-accuracy of `IMPRECISE_ACC` 64 / 32 in the Triton kernel, not its bits).
+accuracy of `IMPRECISE_ACC` 64 / 32 in the Triton kernel, not its bits). With WARP_SPECIALIZE
+the loads move to a one-warp producer partition that refills slot s once the consumers arrive on
+its "empty" barrier (after block k's wgmma is complete), as DeepGEMM splits its warps.
 """
 
 from triton.experimental import gluon
