@@ -190,8 +190,8 @@ class FusedMoEModularKernel:
         self.experts = experts
         self.workspaces = workspaces if workspaces is not None else Workspaces()
         self.micro_batches = micro_batches
-        # the odd micro-batches' workspaces (a combine may still read the even one's output)
         self.min_micro_batch_tokens = min_micro_batch_tokens
+        # the odd micro-batches' workspaces (a combine may still read the even one's output)
         self._second_workspaces = Workspaces() if micro_batches > 1 else None
         self._plans: dict[tuple, _ChunkPlan] = {}  # see _chunk_plan
 
