@@ -104,25 +104,36 @@ def interleaved(fns: dict, rounds: int) -> dict:
 
 
 @triton.jit
-def _byte_floor_kernel(h_ptr, q_ptr, s_ptr, I: tl.constexpr, GROUP: tl.constexpr):
-    """One program per (row, 128-group): the SiLU step's loads and stores, one multiply between.
-    Its time is what the bytes alone cost on this GPU (a copy's bandwidth is not: a read-heavy
-    mix streams faster than a copy, and vLLM's kernel beats a copy-bandwidth floor)."""
-    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
+def _byte_floor_kernel(h_ptr, q_ptr, s_ptr, num_rows, I: tl.constexpr, ROWS: tl.constexpr,
+                       GROUP: tl.constexpr):
+    """One program per ROWS rows x one 128-group: the SiLU step's loads and stores, one multiply
+    between. Its time is what the bytes alone cost on this GPU (a copy's bandwidth is not: a
+    read-heavy mix streams faster than a copy, and vLLM's kernel beat a copy-bandwidth floor)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
-    gate = tl.load(h_ptr + row * 2 * I + cols).to(tl.float32)
-    up = tl.load(h_ptr + row * 2 * I + I + cols).to(tl.float32)
+    live = rows < num_rows
+    offsets = rows[:, None] * 2 * I + cols[None, :]
+    gate = tl.load(h_ptr + offsets, mask=live[:, None]).to(tl.float32)
+    up = tl.load(h_ptr + offsets + I, mask=live[:, None]).to(tl.float32)
     y = gate * up
-    tl.store(s_ptr + row * (I // GROUP) + group, tl.max(tl.abs(y), axis=0))
-    tl.store(q_ptr + row * I + cols, y.to(q_ptr.dtype.element_ty))
+    tl.store(s_ptr + rows * (I // GROUP) + group, tl.max(tl.abs(y), axis=1), mask=live)
+    tl.store(q_ptr + rows[:, None] * I + cols[None, :], y.to(q_ptr.dtype.element_ty),
+             mask=live[:, None])
 
 
 def byte_floor_us(slots: int) -> float:
-    """The byte floor of SiLU-and-mul + requant over `slots` rows (see _byte_floor_kernel)."""
+    """The byte floor of SiLU-and-mul + requant over `slots` rows: _byte_floor_kernel's fastest
+    tile height."""
     h = torch.randn(slots, 2 * I, device="cuda").bfloat16()
     q = torch.empty(slots, I, dtype=FP8_DTYPE, device="cuda")
     s = torch.empty(slots, I // 128, device="cuda")
-    return bench_us(lambda: _byte_floor_kernel[(slots, I // 128)](h, q, s, I=I, GROUP=128), [()])
+
+    def run(rows):
+        grid = (triton.cdiv(slots, rows), I // 128)
+        return lambda: _byte_floor_kernel[grid](h, q, s, slots, I=I, ROWS=rows, GROUP=128)
+
+    return min(bench_us(run(rows), [()]) for rows in (4, 8, 16, 32))
 
 
 def silu_rows(v, M):
