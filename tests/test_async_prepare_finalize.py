@@ -95,13 +95,20 @@ def _run(pf, batches, num_experts: int, overlapped: bool) -> list:
 
 
 def _received(prep) -> list:
-    """What a prepare received, comparable bit for bit (a BATCHED slice's valid rows only)."""
+    """What a prepare received, comparable bit for bit: a BATCHED slice's valid rows, each with
+    its scales, as a sorted multiset. DeepEP's low-latency send numbers an expert's rows with an
+    atomicAdd per (token, expert) (internode_ll.cu, v1.2.1), so their order within a slice
+    differs from call to call; the combine finds each row's token through the handle."""
     if prep.expert_num_tokens is None:
         return [prep.a1q.view(torch.uint8).clone(), prep.a1q_scale.clone(),
                 prep.topk_ids.clone(), prep.topk_weights.clone()]
-    rows = [(prep.a1q[e, :c].view(torch.uint8).clone(), prep.a1q_scale[e, :c].clone())
-            for e, c in enumerate(prep.expert_num_tokens.tolist())]
-    return [prep.expert_num_tokens.clone(), rows]
+    slices = []
+    for e, c in enumerate(prep.expert_num_tokens.tolist()):
+        scales = prep.a1q_scale[e, :c]  # MN-major: copied row-major to view as bytes
+        scales = torch.empty(scales.shape, dtype=scales.dtype, device=scales.device).copy_(scales)
+        rows = torch.cat([prep.a1q[e, :c].view(torch.uint8), scales.view(torch.uint8)], dim=1)
+        slices.append(list(torch.unique(rows, dim=0, return_counts=True)) if c else [rows])
+    return [prep.expert_num_tokens.clone(), slices]
 
 
 def _same(a, b) -> bool:
