@@ -32,8 +32,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm_moe_fixes.ops.fp8 import FP8_DTYPE, SCALE_BLOCK
-from vllm_moe_fixes.ops.grouped_gemm_gluon import (
-    GLUON_CONFIG, grouped_fp8_gemm_contiguous_gluon, use_gluon)
 from vllm_moe_fixes.sizes import cdiv
 
 
@@ -333,16 +331,13 @@ def grouped_fp8_gemm_contiguous_triton(a, w, out, m_indices, config: dict | None
     """Triton launcher of `grouped_fp8_gemm_contiguous` (same arguments, no validation).
 
     config: optional overrides of `DEFAULT_CONFIG` (see above; `contiguous_config` gives the
-    config run). Without one, the Gluon kernel runs where `grouped_gemm_gluon.use_gluon` allows.
+    config run).
     """
     (a_q, a_s), (w_q, w_s) = a, w
     M, K = a_q.shape
     N = w_q.shape[1]
     if M == 0:
         return out
-    if config is None and use_gluon(a_q, w_q):
-        return grouped_fp8_gemm_contiguous_gluon(
-            a, w, out, m_indices, contiguous_config(M, w_q.shape[0], GLUON_CONFIG, K))
     cfg = contiguous_config(M, w_q.shape[0], config, K)
     descs, kwargs = _launch_args(cfg, a_q, w_q)
     num_tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
