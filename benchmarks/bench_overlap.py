@@ -193,11 +193,7 @@ def _gloo_worker(rank: int, world: int, tokens, splits, reps: int, link_share: f
     for m in tokens:
         args, kwargs = _problem(rank, world, m, shape, "cpu")
         split = _splits_run(splits, m)
-        kernels = {("none", n): k for n, k in plain.items()}
-        kernels |= {("delayed", n): k for n, k in delayed.items()}
-        kernels |= {(link, "forced", n): forced[link][n] for link in forced for n in splits
-                    if split[n] < n}
-        variants = {name: (lambda k=k: k(*args, **kwargs)) for name, k in kernels.items()}
+        variants = _variants(plain, delayed, forced, split, args, kwargs)
         rounds = _rounds(variants, reps)
         got = {name: statistics.median(ts) for name, ts in rounds.items()}
         shares = {name: [_link_shares(delayed_buffer, variants[name]) for _ in range(reps)]
@@ -228,6 +224,16 @@ def _gloo_worker(rank: int, world: int, tokens, splits, reps: int, link_share: f
     return rows
 
 
+def _variants(plain, delayed, forced, split, args, kwargs) -> dict:
+    """One M's timed calls: ("none" | "delayed", n) for every split n, and (link, "forced", n)
+    where the kernel's rule ran fewer micro-batches (split[n] < n)."""
+    kernels = {("none", n): k for n, k in plain.items()}
+    kernels |= {("delayed", n): k for n, k in delayed.items()}
+    kernels |= {(link, "forced", n): forced[link][n] for link in forced for n in split
+                if split[n] < n}
+    return {name: (lambda k=k: k(*args, **kwargs)) for name, k in kernels.items()}
+
+
 def _gpu_experts(choice: str):
     """The experts class of --experts: deep_gemm, triton, or auto (DeepGEMM where it imports)."""
     from vllm_moe_fixes._compat import deep_gemm
@@ -255,11 +261,7 @@ def _gpu_delayed_worker(rank: int, world: int, tokens, splits, reps: int, link_s
     for m in tokens:
         args, kwargs = _problem(rank, world, m, shape, device)
         split = _splits_run(splits, m)
-        kernels = {("none", n): k for n, k in plain.items()}
-        kernels |= {("delayed", n): k for n, k in delayed.items()}
-        kernels |= {(link, "forced", n): forced[link][n] for link in forced for n in splits
-                    if split[n] < n}
-        variants = {name: (lambda k=k: k(*args, **kwargs)) for name, k in kernels.items()}
+        variants = _variants(plain, delayed, forced, split, args, kwargs)
         got = {name: statistics.median(ts) for name, ts in _gpu_rounds(variants, reps).items()}
         delayed_buffer.bytes_sent = 0
         variants[("delayed", 1)]()
