@@ -14,7 +14,6 @@ import pytest
 import torch
 from _dist import device_for, run_distributed
 
-from vllm_moe_fixes._compat import deep_ep as deep_ep_compat
 from vllm_moe_fixes.distributed.buffers import clear_all2all_buffers, make_all2all_buffer
 from vllm_moe_fixes.distributed.torch_buffer import Completion, TorchAll2AllBuffer
 from vllm_moe_fixes.distributed.torch_elastic_buffer import TorchElasticBuffer
@@ -23,9 +22,7 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
     DeepEPLLPrepareAndFinalize,
     DeepEPV2PrepareAndFinalize,
 )
-from vllm_moe_fixes.fused_moe.batched_experts import BatchedTritonExperts
 from vllm_moe_fixes.fused_moe.interfaces import ActivationFormat
-from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 
 E_LOCAL, TOPK, N = 3, 3, 8  # experts per rank, k, max tokens per rank and micro-batch
@@ -150,7 +147,7 @@ def _compare(pf, batches, num_experts: int) -> None:
 class _OneCallInFlight(TorchAll2AllBuffer):
     """TorchAll2AllBuffer whose low-latency calls fail where DeepEP v1.2.1 hangs: a call issued
     while an earlier call's receive hook has not run (its send zeroes the counters that hook waits
-    on: _compat.deep_ep.LOW_LATENCY_ASYNC_VERIFIED), or a hook run twice."""
+    on: DeepEPLLPrepareAndFinalize's docstring cites the lines), or a hook run twice."""
 
     _pending = None
 
@@ -212,8 +209,7 @@ HANG_SECONDS = 120  # a rank still running then is a hang: it exits with its sta
 
 def _deep_ep_worker(rank: int, world: int, backend: str) -> None:
     """The same comparison over a real deep_ep.Buffer (hidden 2048: a size DeepEP's low-latency
-    kernels are compiled for). Low-latency until low_latency_async_verified(): the safe behaviour
-    (supports_async() False, two-batch overlap refused, the synchronous calls right) instead."""
+    kernels are compiled for)."""
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     hidden, num_experts = 2048, E_LOCAL * world
     batches = _micro_batches(rank, world, hidden, torch.device("cuda", rank))
@@ -226,23 +222,10 @@ def _deep_ep_worker(rank: int, world: int, backend: str) -> None:
     else:
         pf = DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world,
                                         rank_expert_offset=rank * E_LOCAL)
-    if backend == "deepep_low_latency" and not deep_ep_compat.low_latency_async_verified():
-        _check_async_refused(pf, batches, num_experts)
-    else:
-        _compare(pf, batches, num_experts)
+    _compare(pf, batches, num_experts)
     torch.cuda.synchronize()
     clear_all2all_buffers()
     faulthandler.cancel_dump_traceback_later()
-
-
-def _check_async_refused(pf, batches, num_experts: int) -> None:
-    """An unverified async low-latency path over DeepEP is not taken: supports_async() is False,
-    micro_batches=2 is refused naming why, and the synchronous calls still give finite outputs."""
-    assert not pf.supports_async()
-    with pytest.raises(ValueError, match="LOW_LATENCY_ASYNC_VERIFIED"):
-        FusedMoEModularKernel(pf, BatchedTritonExperts(), micro_batches=2)
-    for _, out in _run(pf, batches, num_experts, overlapped=False):
-        assert torch.isfinite(out.float()).all()
 
 
 @pytest.mark.gpu
@@ -257,31 +240,6 @@ def test_async_equals_sync_on_deep_ep_low_latency_world_1():
 def test_async_equals_sync_on_deep_ep_two_ranks(backend):
     # DeepEP v1.2.1 runs high-throughput intranode with 2 to 8 ranks only.
     run_distributed(_deep_ep_worker, 2, backend, backend="nccl")
-
-
-class _NamedLikeDeepEP(TorchAll2AllBuffer):
-    """A torch buffer that is_deep_ep_buffer takes for DeepEP's own."""
-
-    __module__ = "deep_ep.buffer"
-
-
-def _refusal_worker(rank: int, world: int) -> None:
-    def ll(buffer_class):
-        buffer = buffer_class(low_latency_mode=True, num_max_dispatch_tokens_per_rank=N,
-                              hidden=2048, num_experts=E_LOCAL)
-        return DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=1, max_tokens_per_rank=N)
-
-    pf, torch_pf = ll(_NamedLikeDeepEP), ll(TorchAll2AllBuffer)
-    assert torch_pf.supports_async() and not pf.supports_async()
-    with pytest.raises(ValueError, match="supports_async.. is False: DeepEP's low-latency "
-                                         "receive-hook mode has not yet passed"):
-        FusedMoEModularKernel(pf, BatchedTritonExperts(), micro_batches=2)
-    deep_ep_compat.LOW_LATENCY_ASYNC_VERIFIED = True  # this rank's process only
-    assert pf.supports_async()
-
-
-def test_low_latency_async_over_deep_ep_waits_for_its_verification():
-    run_distributed(_refusal_worker, 1)
 
 
 def test_a_completion_runs_once_and_reports_pending():

@@ -238,6 +238,35 @@ def test_delayed_buffer_spends_the_link_on_the_gpu():
     run_distributed(_delayed_worker, 1, 0.05, backend="nccl")
 
 
+def _deep_ep_low_latency_worker(rank: int, world: int) -> None:
+    """Over a real deep_ep.Buffer: the two-batch call equals the plain one bit for bit (each
+    receive hook runs before DeepEP's next low-latency call: DeepEPLLPrepareAndFinalize)."""
+    from vllm_moe_fixes.distributed.buffers import clear_all2all_buffers, make_all2all_buffer
+    os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"] = str(CHUNK)  # this spawned rank's environment only
+    device = torch.device("cuda", rank)
+    num_experts, weights, x, topk_weights, ids = _inputs(rank, world, m=29)
+    inputs = (num_experts, [t.to(device) for t in weights], x.to(device), topk_weights.to(device),
+              ids.to(device))
+    buffer = make_all2all_buffer("deepep_low_latency", None, max_tokens_per_rank=8, hidden=K,
+                                 num_experts=num_experts)
+
+    def kernel(**kwargs):
+        pf = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=world, max_tokens_per_rank=8)
+        return FusedMoEModularKernel(pf, BatchedTritonExperts(), **kwargs)
+
+    want = _layer(kernel(), inputs)
+    got = _layer(kernel(micro_batches=2, min_micro_batch_tokens=1), inputs)
+    torch.cuda.synchronize()
+    assert torch.isfinite(want.float()).all() and torch.equal(got, want)
+    clear_all2all_buffers()
+
+
+@pytest.mark.gpu
+@pytest.mark.deep_ep
+def test_overlapped_call_equals_the_plain_call_over_deep_ep_low_latency():
+    run_distributed(_deep_ep_low_latency_worker, 1, backend="nccl")
+
+
 def test_delayed_buffer_refuses_a_negative_delay():
     from vllm_moe_fixes.distributed.delayed_buffer import DelayedAll2AllBuffer
     with pytest.raises(ValueError, match="seconds_per_byte=-1 must be a number >= 0"):

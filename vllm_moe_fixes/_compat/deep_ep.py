@@ -114,24 +114,6 @@ def require(backend: str) -> ModuleType:
     return module
 
 
-# DeepEP v1.2.1's low-latency hook mode (return_recv_hook=True) alternates every call between its
-# two buffers and, in each send phase, zeroes the other buffer's arrival counters
-# (csrc/deep_ep.cpp:1128-1129 and 1249-1250; csrc/kernels/internode_ll.cu:183-186 and 604-608;
-# the counters are LowLatencyBuffer.clean_meta, csrc/config.hpp:114-116). A call's receive kernel
-# spins on those counters (internode_ll.cu:278 and 773), so a second send before the first
-# call's receive hook wipes what the first is waiting for: a hang. DeepEPLLPrepareAndFinalize now
-# runs the pending hook before any other low-latency call, which no GPU has run yet; until the
-# bit-equality test (tests/test_async_prepare_finalize.py) passes over a real Buffer, the async
-# low-latency path stays off over DeepEP (supports_async() False). Set True once it has passed.
-LOW_LATENCY_ASYNC_VERIFIED = False
-
-
-def low_latency_async_verified() -> bool:
-    """Whether the asynchronous low-latency prepare/finalize has passed its bit-equality test over
-    a real deep_ep.Buffer on a GPU (LOW_LATENCY_ASYNC_VERIFIED: not yet)."""
-    return LOW_LATENCY_ASYNC_VERIFIED
-
-
 def is_deep_ep_buffer(buffer) -> bool:
     """Whether ``buffer`` is DeepEP's own (a class of the deep_ep package), not a torch stand-in."""
     return type(buffer).__module__.split(".")[0] == "deep_ep"

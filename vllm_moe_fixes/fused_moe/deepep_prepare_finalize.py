@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moe_fixes import envs
-from vllm_moe_fixes._compat.deep_ep import is_deep_ep_buffer, low_latency_async_verified
+from vllm_moe_fixes._compat.deep_ep import is_deep_ep_buffer
 from vllm_moe_fixes._validate import check_bool, check_experts_per_rank, check_positive_int
 from vllm_moe_fixes.distributed import ll_exchange as ll
 from vllm_moe_fixes.distributed.collectives import (
@@ -445,14 +445,14 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     (benchmarks/bench_decode.py), and which lets the experts of another micro-batch run between
     the two kernels.
 
-    One low-latency call in flight: DeepEP flips between its two buffers at every call and each
-    send zeroes the other buffer's arrival counters, which the previous call's receive kernel
-    waits on (_compat.deep_ep.LOW_LATENCY_ASYNC_VERIFIED cites the lines). So every call (sync or
-    async, dispatch or combine) first runs the receive hook still pending, and a receiver whose
-    hook already ran returns at once: in the kernel's two-batch schedule dispatch 1 stays in
-    flight during experts 0 and combine 0 during experts 1. Over a real deep_ep.Buffer this path
-    has not yet passed on a GPU, so supports_async() is False there (why_not_async says why) and
-    two-batch overlap is refused; over TorchAll2AllBuffer it is True.
+    One low-latency call in flight: DeepEP v1.2.1 flips between its two buffers at every call
+    and each send zeroes the other buffer's arrival counters (csrc/deep_ep.cpp:1128-1129 and
+    1249-1250, csrc/kernels/internode_ll.cu:183-186 and 604-608), which the previous call's
+    receive kernel spins on (internode_ll.cu:278 and 773): a second send before the first call's
+    receive hook would hang. So every call (sync or async, dispatch or combine) first runs the
+    receive hook still pending, and a receiver whose hook already ran returns at once: in the
+    kernel's two-batch schedule dispatch 1 stays in flight during experts 0 and combine 0 during
+    experts 1 (bit-equal to the synchronous calls over a real Buffer on an H200, world 1).
 
     A top-k that repeats an expert (all-zero dummy ids) sends one row per slot, so a rank of M
     tokens can send M*k rows to one expert, while DeepEP receives N = max_tokens_per_rank rows
@@ -497,17 +497,6 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
 
     def max_num_tokens_per_rank(self) -> int:
         return self.max_tokens_per_rank_
-
-    def supports_async(self) -> bool:
-        return self.why_not_async() is None
-
-    def why_not_async(self) -> str | None:
-        """Why prepare_async / finalize_async may not overlap here (None: they may)."""
-        if is_deep_ep_buffer(self.buffer) and not low_latency_async_verified():
-            return ("DeepEP's low-latency receive-hook mode has not yet passed the async "
-                    "bit-equality test on a GPU with this prepare/finalize "
-                    "(vllm_moe_fixes._compat.deep_ep.LOW_LATENCY_ASYNC_VERIFIED)")
-        return None
 
     def _receive_in_flight(self) -> None:
         """Run the pending receive hook, if any: before another low-latency call (class

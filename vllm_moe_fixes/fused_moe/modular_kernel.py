@@ -473,10 +473,9 @@ def _check_overlap(prepare_finalize: PrepareAndFinalize, micro_batches: int,
                          "2: two-batch overlap)")
     name = type(prepare_finalize).__name__
     if micro_batches > 1 and not prepare_finalize.supports_async():
-        why = getattr(prepare_finalize, "why_not_async", lambda: None)()
         raise ValueError(f"micro_batches={micro_batches}: {name} has no asynchronous "
-                         f"prepare/finalize (supports_async() is False{': ' + why if why else ''}"
-                         "), so nothing can overlap; use micro_batches=1")
+                         "prepare/finalize (supports_async() is False), so nothing can overlap; "
+                         "use micro_batches=1")
     if micro_batches > 1 and not _takes_keyword(prepare_finalize.num_chunks, "micro_batches"):
         raise ValueError(f"micro_batches={micro_batches}: {name}.num_chunks does not take the "
                          "keyword micro_batches (PrepareAndFinalize.num_chunks)")

@@ -36,9 +36,7 @@ and yields to the other micro-batch, so its work runs while the transfer is unde
 prepare's dispatch handle is kept per micro-batch (vLLM's ``dbo_current_ubatch_id``) and handed
 to that micro-batch's finalize; the received counts are read when the dispatch returns. The
 one-rank adapter has nothing to transfer: ``supports_async()`` is False there, as before (vLLM
-then runs shared experts after the layer and asserts that micro-batching is off). So is the
-low-latency adapter over a real deep_ep.Buffer until its async path has passed on a GPU
-(DeepEPLLPrepareAndFinalize.why_not_async): vLLM's DBO then takes its synchronous path.
+then runs shared experts after the layer and asserts that micro-batching is off).
 
 Quantisation parameters come in ``quant_config``; a configuration other than block FP8 128x128 with
 dynamic 1x128 activations raises ValueError naming what differs. vLLM's routing tables (built for
