@@ -46,9 +46,10 @@ comes from the times:
       wall_hidden = (anchor delayed - overlapped delayed) / L, cost included.
 
 --deep-ep (one GPU, world 1, NCCL): the low-latency layer over a real deep_ep.Buffer (hidden 7168,
-BatchedTritonExperts, N 128 per pass) with and without micro_batches=2, CUDA-event timed medians.
-At world 1 DeepEP's transfer is a copy on the GPU, so this measures the overlap's cost; what it
-hides needs two or more GPUs.
+BatchedTritonExperts, N 128 per pass) with and without micro_batches=2, CUDA-event timed medians:
+cost_pct with the rule (chunks of N = 128 tokens stay unsplit: split 1), forced_cost_pct split
+into two micro-batches of 64 whatever the rule. At world 1 DeepEP's transfer is a copy on the GPU,
+so this measures the overlap's cost; what it hides needs two or more GPUs.
 
 Results: benchmarks/results/overlap_gloo.json, overlap_gpu.json, overlap_deep_ep_ws1.json.
 """
@@ -299,16 +300,25 @@ def _deep_ep_worker(rank: int, world: int, tokens, reps: int) -> list:
     buffer = make_all2all_buffer("deepep_low_latency", None, max_tokens_per_rank=n,
                                  hidden=shape["K"],
                                  num_experts=shape["experts_per_rank"] * world)
-    kernels = {mb: FusedMoEModularKernel(
-        DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=world, max_tokens_per_rank=n),
-        BatchedTritonExperts(), micro_batches=mb) for mb in (1, 2)}
+    def kernel(**kwargs):
+        pf = DeepEPLLPrepareAndFinalize(buffer, num_dispatchers=world, max_tokens_per_rank=n)
+        return FusedMoEModularKernel(pf, BatchedTritonExperts(), **kwargs)
+
+    # the rule's call (chunks of n tokens: split where n // 2 >= MIN_MICRO_BATCH_TOKENS) and the
+    # call split whatever the rule
+    kernels = {"plain": kernel(), "rule": kernel(micro_batches=2),
+               "forced": kernel(micro_batches=2, min_micro_batch_tokens=1)}
     rows = []
     for m in tokens:
         args, kwargs = _problem(rank, world, m, shape, device)
-        ms = {mb: statistics.median(ts) * 1e3 for mb, ts in _gpu_rounds(
-            {mb: (lambda k=k: k(*args, **kwargs)) for mb, k in kernels.items()}, reps).items()}
-        rows.append(dict(world=world, M=m, micro_batches=2, anchor_ms=ms[1], overlap_ms=ms[2],
-                         cost_pct=(ms[2] / ms[1] - 1) * 100))
+        ms = {name: statistics.median(ts) * 1e3 for name, ts in _gpu_rounds(
+            {name: (lambda k=k: k(*args, **kwargs)) for name, k in kernels.items()},
+            reps).items()}
+        rows.append(dict(world=world, M=m, micro_batches=2,
+                         split=micro_batches_for(2, m, n, MIN_MICRO_BATCH_TOKENS),
+                         anchor_ms=ms["plain"], overlap_ms=ms["rule"],
+                         cost_pct=(ms["rule"] / ms["plain"] - 1) * 100,
+                         forced_cost_pct=(ms["forced"] / ms["plain"] - 1) * 100))
     return rows
 
 
@@ -331,7 +341,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.deep_ep:
         rows = run_distributed(_deep_ep_worker, 1, args.tokens, args.reps, backend="nccl")[0]
-        print_table(rows, ["world", "M", "micro_batches", "anchor_ms", "overlap_ms", "cost_pct"])
+        print_table(rows, list(rows[0]))
         write_json("overlap_deep_ep_ws1", dict(rows=rows, reps=args.reps))
         return
     if args.gpu_delayed:
