@@ -16,9 +16,10 @@ before any profile: torch.profiler slows later launches):
              vLLM runs it (PDL on)
   sweep      (--sweep M...) the SiLU kernel's launch configs on those M's layouts
   silu       SiLU-and-mul + requant on the layer's layout (padding rows skipped through the psum
-             ends): ours, vLLM's kernel (same input, same ends), and the byte floor (the slots'
-             rows read once and written once at the copy bandwidth measured in this run), and
-             both kernels' time inside the layer (profile) over that floor
+             ends): ours, vLLM's kernel (same input, same ends), and the byte floor (the time
+             of _byte_floor_kernel: the slots' rows read once and written once with one
+             multiply between), and both kernels' time inside the layer (profile) over that
+             floor; beyond_floor_us puts all three non-GEMM steps' bytes at that floor's rate
   profile    per-kernel GPU time of one call (torch.profiler): ours with PDL on and off, vLLM's
 
 Every ratio is ours / vLLM's from this run.
@@ -216,10 +217,11 @@ def measure(M, w, anchor, rounds, sweep):
     # SiLU byte floor's rate: the least they cost as separate kernels, and the layer ratio
     # that leaves with our GEMM time (below it only by fusing them into the GEMMs).
     slots = M * TOPK
+    quant_permute_bytes = M * K * 2 + slots * (K + K // 128 * 4)  # bf16 in, FP8 + scales out
     silu_bytes = slots * (2 * I * 2 + I + I // 128 * 4)
-    beyond_bytes = (M * K * 2 + slots * (K + K // 128 * 4)) + silu_bytes \
-        + (slots * K * 2 + M * K * 2)
-    beyond_floor_us = beyond_bytes / silu_bytes * silu["floor_us"]
+    unpermute_bytes = slots * K * 2 + M * K * 2  # the experts' bf16 rows in, the sums out
+    beyond_floor_us = ((quant_permute_bytes + silu_bytes + unpermute_bytes) / silu_bytes
+                       * silu["floor_us"])
     row.update(beyond_floor_us=beyond_floor_us,
                gpu_ratio_floor=(ours_p["gemm_us"] + beyond_floor_us) / their_p["gpu_us"])
     row.update(gpu_ratio=ours_p["gpu_us"] / their_p["gpu_us"],
