@@ -65,8 +65,9 @@ class DelayedAll2AllBuffer(TorchAll2AllBuffer):
         link; the returned wait also waits for the link."""
         wait = super()._start(collective, *args, **kwargs)
         sent = args[1]
-        seconds = sent.numel() * sent.element_size() * self.seconds_per_byte
-        self.bytes_sent += sent.numel() * sent.element_size()
+        nbytes = sent.numel() * sent.element_size()
+        self.bytes_sent += nbytes
+        seconds = nbytes * self.seconds_per_byte
         if sent.is_cuda and seconds > 0:
             return self._on_link_stream(wait, seconds, args)
         return self._on_host(wait, seconds)
