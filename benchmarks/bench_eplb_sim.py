@@ -22,24 +22,22 @@ import dataclasses
 import importlib.util
 import json
 import time
-from pathlib import Path
 
+from benchmarks._common import RESULTS_DIR, write_json
 from benchmarks.plots import draw_eplb_sim
 from vllm_moe_fixes.eplb.simulate import LayerTimeCurve, SimulationConfig, run_simulation
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def layer_time_curve() -> tuple[LayerTimeCurve, str]:
     """(our measured per-rank layer time against token-slots received, where it came from):
     bench_eplb_layer's tokens-per-rank sweep (eplb_layer.json, ``layer_time``) where it has been
     run, else experts.json's DeepGemmExperts rows (M tokens, all top-8 slots local)."""
-    sweep = RESULTS / "eplb_layer.json"
+    sweep = RESULTS_DIR / "eplb_layer.json"
     if sweep.exists():
         points = [(r["recv_slots"], r["us"]) for r in json.loads(sweep.read_text())["layer_time"]]
         return (LayerTimeCurve.from_points(points),
                 "benchmarks/results/eplb_layer.json (layer_time: us against recv_slots)")
-    rows = json.loads((RESULTS / "experts.json").read_text())["results"]
+    rows = json.loads((RESULTS_DIR / "experts.json").read_text())["results"]
     topk = SimulationConfig().shape.topk
     points = [(topk * r["M"], r["us"]) for r in rows if r["backend"] == "deep_gemm"]
     return (LayerTimeCurve.from_points(points),
@@ -78,8 +76,6 @@ def main(argv=None) -> int:
     print(f"({elapsed:.1f} s; layer time from {source} at {config.tokens_per_rank} tokens per "
           f"rank)")
     if not args.quick:
-        from benchmarks._common import write_json
-
         path = write_json("eplb_sim", {"config": dataclasses.asdict(config),
                                        "layer_time_source": source, "rows": rows,
                                        "elapsed_s": elapsed})
