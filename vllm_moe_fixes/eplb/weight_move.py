@@ -224,10 +224,8 @@ def _check_move(old, new, weights: Fp8MoEWeights, world: int,
         check(t.shape[0] == old.num_local and t.is_contiguous(),
               f"{name} must be a contiguous [num_local={old.num_local}, ...] stack, got shape "
               f"{tuple(t.shape)}")
-    if max_bytes is None:
-        return None
     check_nonnegative_int("max_bytes", max_bytes, or_none=True)
-    return max_bytes // expert_bytes(weights)
+    return None if max_bytes is None else max_bytes // expert_bytes(weights)
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
