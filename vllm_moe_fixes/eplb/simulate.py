@@ -51,7 +51,6 @@ _ZIPF_EXPONENT = {"zipf1.0": 1.0, "zipf1.5": 1.5, "shift": 1.0}
 Planner = Callable[[np.ndarray, "np.ndarray | None"], np.ndarray]
 
 
-
 @dataclass(frozen=True)
 class RoutingShape:
     """A grouped top-k router: ``num_experts`` logical experts in ``num_groups`` equal groups;
@@ -297,7 +296,7 @@ def _row(config: SimulationConfig, scenario: str, loads: list[np.ndarray], ep: i
 
 
 def run_simulation(config: SimulationConfig = SimulationConfig(),
-             layer_time: LayerTimeCurve | None = None) -> list[dict]:
+                   layer_time: LayerTimeCurve | None = None) -> list[dict]:
     """One dict per (scenario, EP size, R) of `config`: scenario, ep, redundant; planned and
     measured max/mean per planner (``replay``); moves_per_rebalance where a scenario re-plans
     (shift); and with `layer_time`, layer_us per planner: the busiest rank's time at its
