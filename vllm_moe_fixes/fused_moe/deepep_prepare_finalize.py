@@ -85,6 +85,7 @@ from vllm_moe_fixes.fused_moe.interfaces import (
     ActivationFormat,
     AsyncPrepareAndFinalize,
     PrepareResult,
+    completed,
 )
 from vllm_moe_fixes.ops.fp8 import SCALE_BLOCK
 from vllm_moe_fixes.ops.fp8_quant import per_token_group_quant_fp8, quant_batched_fp8
@@ -427,10 +428,6 @@ class DeepEPHTPrepareAndFinalize(PlacedExpertsPrepareAndFinalize):
         return receive
 
 
-def _combined() -> None:
-    """The receiver of a low-latency call that has completed."""
-
-
 class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
     """DeepEP low-latency dispatch/combine; BATCHED activation format [E_l, R*N, K].
 
@@ -552,7 +549,7 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
             a1, ids, n, num_experts, use_fp8=self.use_fp8_dispatch,
             round_scale=self.use_fp8_dispatch and self.use_ue8m0, return_recv_hook=hook)
         pending = self._pending = (handle, ids)
-        received = _combined if hook_fn is None else self._receiver_of(hook_fn)
+        received = completed if hook_fn is None else self._receiver_of(hook_fn)
 
         def receive() -> PrepareResult:
             received()
@@ -611,7 +608,7 @@ class DeepEPLLPrepareAndFinalize(_DeepEPPrepareAndFinalize):
         self._receive_in_flight()
         _, _, hook_fn = self.buffer.low_latency_combine(fused_expert_output, ids, weights, handle,
                                                         out=output, return_recv_hook=hook)
-        return _combined if hook_fn is None else self._receiver_of(hook_fn)
+        return completed if hook_fn is None else self._receiver_of(hook_fn)
 
 
 class DeepEPV2PrepareAndFinalize(PlacedExpertsPrepareAndFinalize):

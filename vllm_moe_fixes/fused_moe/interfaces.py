@@ -146,7 +146,7 @@ class PrepareAndFinalize(ABC):
         reduced = {"output_is_reduced": True} if output_is_reduced else {}
         self.finalize(output, fused_expert_output, topk_weights, topk_ids,
                       apply_router_weight_on_input, **reduced)
-        return _nothing
+        return completed
 
     def max_num_tokens_per_rank(self) -> int | None:
         """Upper bound on tokens per rank per call (sizes batched layouts), or None."""
@@ -191,8 +191,8 @@ class PrepareAndFinalize(ABC):
         before anything of a captured call runs). Default: it can."""
 
 
-def _nothing() -> None:
-    """The receiver of a transfer that has completed."""
+def completed() -> None:
+    """The receiver of a transfer that has completed (nothing left to wait for)."""
 
 
 class AsyncPrepareAndFinalize(PrepareAndFinalize):

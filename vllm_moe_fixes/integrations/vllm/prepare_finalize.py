@@ -65,6 +65,7 @@ from vllm_moe_fixes.fused_moe import (
     DeepEPV2PrepareAndFinalize,
     NoEPPrepareAndFinalize,
 )
+from vllm_moe_fixes.fused_moe.interfaces import completed
 from vllm_moe_fixes.integrations.vllm.experts import VllmExperts
 from vllm_moe_fixes.integrations.vllm.support import (
     check_deepep_buffer,
@@ -95,10 +96,6 @@ def _unreduced_view(fused_expert_output: torch.Tensor, topk_ids: torch.Tensor) -
     """[M', k, K] view of an unreduced experts output given as [M' * k, K] or [M', k, K]."""
     m, k = topk_ids.shape
     return fused_expert_output.view(m, k, fused_expert_output.shape[-1])
-
-
-def _finalized() -> None:
-    """The receiver of a finalize whose hook did the work."""
 
 
 class _VllmPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
@@ -163,7 +160,7 @@ class _VllmPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         hook = self.ours.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
                                         apply_router_weight_on_input, output_is_reduced=reduced,
                                         handle=handle)
-        return hook, _finalized
+        return hook, completed  # the hook writes output
 
     def _dispatch_state(self):
         """What the conversion needs of the dispatch, read as it returns (a later micro-batch's
