@@ -372,6 +372,29 @@ def test_low_latency_repeated_expert():
     run_distributed(_ll_repeated_expert_worker, 2)
 
 
+def _ht_inference_mode_worker(rank, world):
+    """The count exchange's cached message, first made inside torch.inference_mode (as vLLM runs
+    a forward), serves a dispatch outside it: the same rows arrive."""
+    buf = TorchAll2AllBuffer(None)
+    xs, ids, ws = make_problem(7, [5] * world, 4 * world, 2, H_HT)
+    x, idx, w = xs[rank], ids[rank], ws[rank]
+
+    def call():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4 * world)
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)[:3]
+
+    with torch.inference_mode():
+        inside = [t.clone() for t in call()]
+    outside = call()
+    assert all(torch.equal(a, b) for a, b in zip(outside, inside))
+    assert inside[0].shape[0] > 0
+
+
+def test_high_throughput_inference_mode_then_outside():
+    run_distributed(_ht_inference_mode_worker, 2)
+
+
 def test_needs_distributed_and_sizes():
     with pytest.raises(ValueError, match="initialised"):
         TorchAll2AllBuffer(None)

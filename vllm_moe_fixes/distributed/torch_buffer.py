@@ -465,22 +465,25 @@ class TorchAll2AllBuffer:
         or with n, (int64 [2] = (n, d), None) for the low-latency N check. Kept per value, device
         and size (a layer's calls repeat a few stamps; writing the counts in place costs less
         than a concatenation), filled on the device (no host copy, no sync). A dispatch reads
-        the matrix to the host before it returns, so the next one may write it again."""
+        the matrix to the host before it returns, so the next one may write it again. Made
+        outside torch.inference_mode, as the low-latency workspaces are (a dispatch outside it
+        cannot write a tensor made inside it)."""
         key = (stamp, device, n, local_experts)
         message = self._stamp_messages.get(key)
         if message is None:
             if len(self._stamp_messages) >= 256:  # a bound: stamps of old plans are not kept
                 self._stamp_messages.clear()
             d, r = stamp_digest(stamp), self.group_size
-            if n is None:
-                tensor = torch.full((r, 1 + local_experts + 2), d, dtype=torch.int64,
-                                    device=device)
-                tensor[:, -1] = d * d
-                message = tensor, [r * d, r * d * d]
-            else:
-                tensor = torch.full((2,), d, dtype=torch.int64, device=device)
-                tensor[0] = n
-                message = tensor, None
+            with torch.inference_mode(False):
+                if n is None:
+                    tensor = torch.full((r, 1 + local_experts + 2), d, dtype=torch.int64,
+                                        device=device)
+                    tensor[:, -1] = d * d
+                    message = tensor, [r * d, r * d * d]
+                else:
+                    tensor = torch.full((2,), d, dtype=torch.int64, device=device)
+                    tensor[0] = n
+                    message = tensor, None
             self._stamp_messages[key] = message
         return message
 
