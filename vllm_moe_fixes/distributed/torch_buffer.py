@@ -462,10 +462,11 @@ class TorchAll2AllBuffer:
         """d = stamp_digest(stamp) as a dispatch sends it, and the column sums every rank sees
         when all stamps are this one: (the count exchange's int64 [R, 1 + local_experts + 2],
         (d, d * d) in the last two columns, the counts written per dispatch; [R * d, R * d * d]),
-        or with n, (int64 [2] = (n, d), None) for the low-latency N check. Kept per value, device
-        and size (a layer's calls repeat a few stamps; writing the counts in place costs less
-        than a concatenation), filled on the device (no host copy, no sync). A dispatch reads
-        the matrix to the host before it returns, so the next one may write it again. Made
+        or with n, (int64 [4] = (n, d, busiest_expert's count and expert), None) for the
+        low-latency N check, the last two written per dispatch. Kept per value, device and size
+        (a layer's calls repeat a few stamps; writing the counts in place costs less than a
+        concatenation), filled on the device (no host copy, no sync). A dispatch reads the
+        message to the host before it returns, so the next one may write it again. Made
         outside torch.inference_mode, as the low-latency workspaces are (a dispatch outside it
         cannot write a tensor made inside it)."""
         key = (stamp, device, n, local_experts)
@@ -481,7 +482,7 @@ class TorchAll2AllBuffer:
                     tensor[:, -1] = d * d
                     message = tensor, [r * d, r * d * d]
                 else:
-                    tensor = torch.full((2,), d, dtype=torch.int64, device=device)
+                    tensor = torch.full((4,), d, dtype=torch.int64, device=device)
                     tensor[0] = n
                     message = tensor, None
             self._stamp_messages[key] = message
@@ -704,7 +705,8 @@ class TorchAll2AllBuffer:
         call (stamp: this dispatch's PassStamp) and send at most N rows to each expert (busiest:
         ``ll.busiest_expert`` of its ids): gathered and compared, so every rank raises alike."""
         message = self._stamp_message(stamp, busiest.device, n=n)[0]
-        got = self._all_gather(torch.cat([message, busiest])).tolist()
+        message[2:].copy_(busiest)
+        got = self._all_gather(message).tolist()
         if len({row[0] for row in got}) > 1:
             raise ValueError(f"num_max_dispatch_tokens_per_rank differs across ranks: "
                              f"{[row[0] for row in got]}")
