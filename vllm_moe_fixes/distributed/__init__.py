@@ -2,8 +2,9 @@
 
 The sizing functions (DeepEP v1.2.1's and V2's) need no torch (`vllm-moe-fixes plan` imports only
 them); TorchAll2AllBuffer, TorchElasticBuffer (V2's API) and DelayedAll2AllBuffer (a
-TorchAll2AllBuffer over a simulated slow link, for overlap measurements) are imported on first use. ``vllm_moe_fixes.distributed.launch`` (run_distributed: run a
-function on fresh local gloo/NCCL ranks) imports torch and is not imported here.
+TorchAll2AllBuffer over a simulated slow link, for overlap measurements) are imported on first
+use. ``vllm_moe_fixes.distributed.launch`` (run_distributed: run a function on fresh local
+gloo/NCCL ranks) imports torch and is not imported here.
 """
 
 from vllm_moe_fixes.distributed.buffers import make_all2all_buffer

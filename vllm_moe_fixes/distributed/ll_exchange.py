@@ -430,8 +430,8 @@ def partial_sums_triton(x_rows: torch.Tensor, recv_row: torch.Tensor, served: to
     """Launch the kernel on validated tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
     x_rows bf16 [E_l*R*N, H] (unit column stride); recv_row int64 (-1: dropped), served bool,
-    weights float32, all [R*N, k] contiguous; out float32 or bf16 [R*N, H] (unit column stride), written (a bf16
-    out gets the float32 sums rounded to nearest even)."""
+    weights float32, all [R*N, k] contiguous; out float32 or bf16 [R*N, H] (unit column stride),
+    written (a bf16 out gets the float32 sums rounded to nearest even)."""
     rows, topk = served.shape
     hidden = x_rows.shape[1]
     if rows == 0 or hidden == 0:

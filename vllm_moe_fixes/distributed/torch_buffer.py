@@ -622,8 +622,8 @@ class TorchAll2AllBuffer:
 
         Returns:
             combined_x: bf16 [T, H] = sum over slots j with topk_idx[t, j] >= 0 of
-                topk_weights[t, j] * expert output (float32, added in slot order, rounded once); event; hook (a
-                Completion where asked for, else None).
+                topk_weights[t, j] * expert output (float32, added in slot order, rounded
+                once); event; hook (a Completion where asked for, else None).
         """
         self._check_ll_combine(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
                                async_finish, return_recv_hook)
