@@ -101,9 +101,10 @@ class _CountingBuffer(TorchAll2AllBuffer):
 
 # (world, tokens per rank, max_tokens_across_ranks, micro_batches, dispatches per call) with
 # min_micro_batch_tokens 4: on one rank the rule reads M; over ranks the busiest rank's count
-# (max_tokens_across_ranks), unknown without it (the call splits as asked).
+# (max_tokens_across_ranks), unknown without it (the call splits as asked; every rank empty:
+# no pass to split).
 SPLITS = {1: [((7,), None, 2, 1), ((8,), None, 2, 2), ((13,), None, 4, 3), ((20,), None, 4, 4)],
-          2: [((3, 9), 9, 4, 2), ((3, 5), 5, 4, 1), ((3, 5), None, 4, 4)]}
+          2: [((3, 9), 9, 4, 2), ((3, 5), 5, 4, 1), ((3, 5), None, 4, 4), ((0, 0), None, 2, 0)]}
 
 
 def _split_worker(rank: int, world: int) -> None:

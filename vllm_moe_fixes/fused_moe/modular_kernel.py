@@ -335,7 +335,7 @@ class FusedMoEModularKernel:
                                    **({"micro_batches": split} if split > 1 else {}))
         step = max(chunk, cdiv(M, num_chunks)) if num_chunks else chunk
         output = torch.empty_like(hidden_states)
-        if split > 1:
+        if split > 1 and num_chunks:  # no pass (every rank's M is 0): nothing to pipeline
             self._run_overlapped(call, hidden_states, topk_weights, topk_ids, output,
                                  _micro_batch_rows(M, step, num_chunks, split))
             return output
