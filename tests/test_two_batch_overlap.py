@@ -24,6 +24,7 @@ from vllm_moe_fixes.fused_moe.deepep_prepare_finalize import (
 from vllm_moe_fixes.fused_moe.kernel_factory import local_expert_map
 from vllm_moe_fixes.fused_moe.modular_kernel import FusedMoEModularKernel, micro_batches_for
 from vllm_moe_fixes.fused_moe.no_ep_prepare_finalize import NoEPPrepareAndFinalize
+from vllm_moe_fixes.fused_moe.workspaces import Workspaces
 from vllm_moe_fixes.testing import random_fp8_moe_weights
 
 K, I, E_LOCAL, TOPK = 2048, 128, 4, 3  # K: a hidden size DeepEP's low-latency kernels serve
@@ -178,6 +179,32 @@ def _ll():
 def test_overlap_arguments_refused(make_pf, experts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         FusedMoEModularKernel(make_pf(), experts(), **kwargs)
+
+
+def _shared_workspaces_worker(rank: int, world: int) -> None:
+    """Two layers sharing one Workspaces, each splitting its call in two: they share the odd
+    micro-batches' set too, and two layers in a row still give the plain layers' outputs."""
+    os.environ["VLLM_FUSED_MOE_CHUNK_SIZE"] = str(CHUNK)  # this forked rank's environment only
+    wiring = dict(num_dispatchers=world, rank_expert_offset=rank * E_LOCAL)
+
+    def kernels(**kwargs):
+        shared = Workspaces()
+        return [FusedMoEModularKernel(DeepEPHTPrepareAndFinalize(TorchAll2AllBuffer(), **wiring),
+                                      TritonExperts(), shared, **kwargs) for _ in range(2)]
+
+    plain, split = kernels(), kernels(micro_batches=2, min_micro_batch_tokens=1)
+    assert split[0]._second_workspaces is split[1]._second_workspaces
+    assert split[0]._second_workspaces is not split[0].workspaces
+    num_experts, weights, x, topk_weights, ids = _inputs(rank, world)
+    want = got = x
+    for plain_layer, split_layer in zip(plain, split):
+        want = _layer(plain_layer, (num_experts, weights, want, topk_weights, ids))
+        got = _layer(split_layer, (num_experts, weights, got, topk_weights, ids))
+    assert torch.isfinite(want.float()).all() and torch.equal(got, want)
+
+
+def test_layers_sharing_workspaces_share_the_second_set():
+    run_distributed(_shared_workspaces_worker, 2)
 
 
 def test_comm_sms_is_declared_to_the_buffer():

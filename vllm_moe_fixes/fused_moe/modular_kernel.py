@@ -193,7 +193,7 @@ class FusedMoEModularKernel:
         self.micro_batches = micro_batches
         self.min_micro_batch_tokens = min_micro_batch_tokens
         # the odd micro-batches' workspaces (a combine may still read the even one's output)
-        self._second_workspaces = Workspaces() if micro_batches > 1 else None
+        self._second_workspaces = self.workspaces.partner() if micro_batches > 1 else None
         self._plans: dict[tuple, _ChunkPlan] = {}  # see _chunk_plan
 
     def __call__(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -30,6 +30,15 @@ class Workspaces:
         self.ws2: torch.Tensor | None = None
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.generation = 0
+        self._partner: Workspaces | None = None
+
+    def partner(self) -> Workspaces:
+        """The second set a two-batch call's odd micro-batches use (a combine may still read the
+        even one's output), made once and shared as this set is: layers that share these
+        workspaces run one after another, so they share that set too."""
+        if self._partner is None:
+            self._partner = Workspaces()
+        return self._partner
 
     def _get(self, name: str, numel: int, device: torch.device, dtype: torch.dtype):
         buf = getattr(self, name)
