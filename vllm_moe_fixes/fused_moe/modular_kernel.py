@@ -120,9 +120,9 @@ class FusedMoEModularKernel:
             two-batch overlap (module docstring); more: the same pipeline over more
             micro-batches (not with a BATCHED prepare/finalize: DeepEP's low-latency buffer
             holds two dispatches' results). Needs a prepare/finalize with supports_async(), the
-            same value on every rank; a second set of workspaces is kept for it. The most a
-            call splits into: a call runs min(micro_batches, T // min_micro_batch_tokens)
-            micro-batches (at least 1, unsplit), T the tokens of a chunk on the group's busiest
+            same value on every rank; a second set of workspaces is kept for it
+            (workspaces.partner(): shared as the first set is). A call runs
+            min(micro_batches, T // min_micro_batch_tokens) micro-batches (at least 1, unsplit), T the tokens of a chunk on the group's busiest
             rank (micro_batches_for): M on one rank, else max_tokens_across_ranks. With expert
             parallelism and without max_tokens_across_ranks no rank knows T before the
             dispatch, so such a call splits into micro_batches.
