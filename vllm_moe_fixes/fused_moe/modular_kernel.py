@@ -119,13 +119,13 @@ class FusedMoEModularKernel:
         micro_batches: 1 (default): each chunk is one prepare -> experts -> finalize. 2:
             two-batch overlap (module docstring); more: the same pipeline over more
             micro-batches (not with a BATCHED prepare/finalize: DeepEP's low-latency buffer
-            holds two dispatches' results). Needs a prepare/finalize with supports_async(), the
-            same value on every rank; a second set of workspaces is kept for it
-            (workspaces.partner(): shared as the first set is). A call runs
-            min(micro_batches, T // min_micro_batch_tokens) micro-batches (at least 1, unsplit), T the tokens of a chunk on the group's busiest
-            rank (micro_batches_for): M on one rank, else max_tokens_across_ranks. With expert
-            parallelism and without max_tokens_across_ranks no rank knows T before the
-            dispatch, so such a call splits into micro_batches.
+            holds two dispatches' results). Needs a prepare/finalize with supports_async(), the same
+            value on every rank; a second set of workspaces is kept for it (workspaces.partner():
+            shared as the first set is). A call runs min(micro_batches, T // min_micro_batch_tokens)
+            micro-batches (at least 1, unsplit), T the tokens of a chunk on the group's busiest rank
+            (micro_batches_for): M on one rank, else max_tokens_across_ranks. With expert
+            parallelism and without max_tokens_across_ranks no rank knows T before the dispatch, so
+            such a call splits into micro_batches.
         min_micro_batch_tokens: the fewest tokens a micro-batch may get (int >= 1; default
             MIN_MICRO_BATCH_TOKENS, where the split stops costing more than it hides); 1 splits
             every call. The same value on every rank.
